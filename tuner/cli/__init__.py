@@ -1,0 +1,1 @@
+"""The `tuner` command line. Each sub-command lives in its own module with a `register(app)`."""

@@ -1,0 +1,244 @@
+"""A full knob setting (`Config`) and the feasibility rules, in one place.
+
+The knob names are the public vocabulary of DESIGN.md: CLI `--set`, YAML spaces, REST, the
+dashboard and stored trial params all use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tuner.devices import DeviceInfo
+from tuner.recipe import Recipe
+
+
+class ConfigError(ValueError):
+    """A knob name or value that does not exist. The message lists the valid choices."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: type  # int, bool or str
+    choices: tuple[Any, ...] | None  # None: any positive int (validated by `check`)
+    doc: str
+    applies: str | None = None  # human description of when the knob is sampled
+
+    def parse(self, raw: Any) -> Any:
+        """Turn a CLI/YAML/JSON value into the knob's type, or raise ConfigError."""
+        value = raw
+        if self.kind is bool:
+            if isinstance(raw, str):
+                low = raw.strip().lower()
+                if low in ("true", "1", "yes", "on"):
+                    value = True
+                elif low in ("false", "0", "no", "off"):
+                    value = False
+            if not isinstance(value, bool):
+                raise ConfigError(f"{self.name}: {raw!r} is not a boolean; use true or false")
+        elif self.kind is int:
+            if isinstance(raw, bool):
+                raise ConfigError(f"{self.name}: {raw!r} is not an integer")
+            try:
+                value = int(raw)
+                if isinstance(raw, float) and raw != value:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ConfigError(f"{self.name}: {raw!r} is not an integer") from None
+            minimum = 0 if self.name == "loader_workers" else 1
+            if value < minimum:
+                raise ConfigError(f"{self.name}: must be an integer >= {minimum}, got {value}")
+        else:
+            value = str(raw)
+        if self.choices is not None and value not in self.choices:
+            valid = ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in self.choices)
+            raise ConfigError(f"{self.name}: {raw!r} is not a valid value; valid values: {valid}")
+        if self.name == "micro_batch_size" and value & (value - 1):
+            raise ConfigError(f"micro_batch_size: {value} is not a power of two (1, 2, 4, 8, ...)")
+        return value
+
+
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in [
+        Knob("micro_batch_size", int, None, "Samples per forward/backward; powers of two."),
+        Knob("dp", int, None, "Data-parallel degree."),
+        Knob("tp", int, None, "Tensor-parallel degree (DTensor, Colwise/Rowwise)."),
+        Knob("pp", int, None, "Pipeline-parallel degree (torch.distributed.pipelining)."),
+        Knob("pp_schedule", str, ("1f1b", "gpipe"), "Pipeline schedule.", "pp > 1"),
+        Knob("dp_shard", str, ("ddp", "fsdp"), "DDP or FSDP2 (fully_shard) on dp.", "dp > 1"),
+        Knob("recompute", str, ("none", "selective", "full"), "Activation checkpointing."),
+        Knob("offload", bool, (False, True), "Save activations on host (save_on_cpu)."),
+        Knob("attention", str, ("math", "flash", "efficient", "cudnn", "npu_fusion"), "SDPA kernel."),
+        Knob("bucket_mb", int, None, "DDP bucket_cap_mb (gradient all-reduce fusion).", "ddp, dp > 1"),
+        Knob(
+            "grad_compression",
+            str,
+            ("none", "fp16", "bf16", "powersgd"),
+            "DDP communication hook.",
+            "ddp, dp > 1",
+        ),
+        Knob("amp", str, ("O0", "O1", "O2"), "O0 fp32, O1 autocast, O2 low-precision params."),
+        Knob("amp_dtype", str, ("bf16", "fp16"), "Low-precision dtype for O1/O2.", "amp != O0"),
+        Knob("tf32", bool, (False, True), "TF32 matmuls (CUDA only)."),
+        Knob(
+            "compile",
+            str,
+            ("none", "default", "max-autotune", "reduce-overhead"),
+            "torch.compile (Inductor) mode.",
+        ),
+        Knob("optimizer_impl", str, ("for_loop", "foreach", "fused"), "Optimizer kernel style."),
+        Knob("loader_workers", int, None, "DataLoader worker processes."),
+        Knob("pin_memory", bool, (False, True), "Pinned host memory for the DataLoader."),
+        Knob("cpu_affinity", str, ("none", "per_rank"), "Bind each rank to its own cores."),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One full knob setting. Defaults are the plain, untuned choices."""
+
+    micro_batch_size: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    dp_shard: str = "ddp"
+    recompute: str = "none"
+    offload: bool = False
+    attention: str = "math"
+    bucket_mb: int = 25
+    grad_compression: str = "none"
+    amp: str = "O0"
+    amp_dtype: str = "bf16"
+    tf32: bool = False
+    compile: str = "none"
+    optimizer_impl: str = "foreach"
+    loader_workers: int = 0
+    pin_memory: bool = False
+    cpu_affinity: str = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], base: Config | None = None) -> Config:
+        """Build from {knob: value} (strings allowed); unknown knobs raise ConfigError."""
+        values = {} if base is None else base.to_dict()
+        for name, raw in params.items():
+            knob = KNOBS.get(name)
+            if knob is None:
+                raise ConfigError(f"unknown knob {name!r}; valid knobs: {', '.join(KNOBS)}")
+            values[name] = knob.parse(raw)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def normalized(self) -> Config:
+        """The same config with knobs that do not apply reset to their defaults.
+
+        Two configs that run identically normalise to the same value (duplicate detection).
+        """
+        d = self.to_dict()
+        default = Config()
+        if self.pp == 1:
+            d["pp_schedule"] = default.pp_schedule
+        if self.dp == 1:
+            d["dp_shard"] = default.dp_shard
+        if self.dp == 1 or d["dp_shard"] != "ddp":
+            d["bucket_mb"] = default.bucket_mb
+            d["grad_compression"] = default.grad_compression
+        if self.amp == "O0":
+            d["amp_dtype"] = default.amp_dtype
+        return Config(**d)
+
+    def key(self) -> str:
+        return json.dumps(self.normalized().to_dict(), sort_keys=True)
+
+    def active_params(self) -> dict[str, Any]:
+        """Only the knobs that apply to this config (what Optuna stores as params)."""
+        d = self.normalized().to_dict()
+        if self.pp == 1:
+            d.pop("pp_schedule")
+        if self.dp == 1:
+            d.pop("dp_shard")
+        if self.dp == 1 or self.dp_shard != "ddp":
+            d.pop("bucket_mb")
+            d.pop("grad_compression")
+        if self.amp == "O0":
+            d.pop("amp_dtype")
+        return d
+
+
+def microbatches(config: Config, recipe: Recipe) -> int:
+    """Gradient-accumulation steps (or pipeline microbatches) per optimizer step, per dp rank."""
+    return recipe.train.global_batch_size // (config.micro_batch_size * config.dp)
+
+
+def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
+    """Every reason this config cannot run for this recipe on this device; [] when it can."""
+    m = recipe.model
+    r: list[str] = []
+    want = recipe.hardware.devices
+    if config.world_size != want:
+        r.append(
+            f"dp*tp*pp = {config.dp}*{config.tp}*{config.pp} = {config.world_size}, "
+            f"but hardware.devices is {want}"
+        )
+    if want > device.count:
+        r.append(f"hardware.devices is {want} but this machine has {device.count} {device.family} devices")
+    if m.heads % config.tp:
+        r.append(f"heads ({m.heads}) not divisible by tp ({config.tp})")
+    if m.ffn_size % config.tp:
+        r.append(f"ffn size ({m.ffn_size}) not divisible by tp ({config.tp})")
+    if m.vocab % config.tp:
+        r.append(f"vocab ({m.vocab}) not divisible by tp ({config.tp})")
+    if m.layers % config.pp:
+        r.append(f"layers ({m.layers}) not divisible by pp ({config.pp})")
+    per_step = config.micro_batch_size * config.dp
+    gbs = recipe.train.global_batch_size
+    if gbs % per_step:
+        r.append(
+            f"global batch ({gbs}) not divisible by micro_batch_size*dp "
+            f"({config.micro_batch_size}*{config.dp} = {per_step})"
+        )
+    elif config.pp > 1 and gbs // per_step < config.pp:
+        r.append(
+            f"pp={config.pp} needs at least {config.pp} microbatches per step, "
+            f"but global batch {gbs} / (micro_batch_size*dp) gives {gbs // per_step}"
+        )
+    if config.attention not in device.attention_backends:
+        r.append(
+            f"attention={config.attention} is not available on {device.family} "
+            f"(available: {', '.join(device.attention_backends)})"
+        )
+    if config.amp != "O0" and config.amp_dtype not in device.amp_dtypes:
+        r.append(f"amp_dtype={config.amp_dtype} is not supported on {device.family} {device.name}")
+    if config.tf32 and not device.supports_tf32:
+        r.append(f"tf32 is not supported on {device.family} {device.name}")
+    if config.compile not in device.compile_modes:
+        r.append(f"compile={config.compile} is not available on {device.family}")
+    if config.offload and not device.supports_offload:
+        r.append(f"offload moves activations to host memory; on {device.family} they already are there")
+    if config.pin_memory and not device.supports_pin_memory:
+        r.append(f"pin_memory needs an accelerator; {device.family} has none")
+    if config.dp > 1 and config.dp_shard == "ddp":
+        if config.grad_compression in ("fp16", "bf16") and config.grad_compression not in device.amp_dtypes:
+            r.append(f"grad_compression={config.grad_compression} is not supported on {device.family}")
+        if config.grad_compression == "powersgd" and device.backend == "hccl":
+            r.append("grad_compression=powersgd is not supported with hccl")
+    if config.dp > 1 and config.dp_shard == "fsdp" and config.pp > 1:
+        r.append("dp_shard=fsdp with pp > 1 is not supported by this workload; use ddp")
+    if config.amp == "O2" and config.amp_dtype == "fp16" and config.dp_shard == "fsdp" and config.dp > 1:
+        r.append("amp=O2 with fp16 and fsdp needs a sharded grad scaler; use bf16 or ddp")
+    if config.compile == "reduce-overhead" and (config.pp > 1 or config.tp > 1):
+        r.append("compile=reduce-overhead (CUDA graphs) does not support tp or pp > 1 here")
+    if config.offload and config.compile != "none":
+        r.append("offload (save_on_cpu hooks) cannot be traced by torch.compile; use compile=none")
+    return r

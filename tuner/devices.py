@@ -1,0 +1,334 @@
+"""The device layer: which family runs a trial (cpu, cuda, npu) and what that family offers.
+
+Everything device-specific lives here: the distributed backend, synchronisation, peak-memory
+readings, peak FLOP/s for MFU, and which attention backends and dtypes exist. Ascend NPUs are
+used through `torch_npu` only when it imports.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import platform
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("cpu", "cuda", "npu")
+
+# Dense peak TFLOP/s per device (no sparsity), by substring of the device name, most specific
+# first. Sources: vendor datasheets. Used for MFU; unknown accelerators fall back to a measured
+# matmul like the CPU does.
+_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
+    ("H100", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+    ("H800", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+    ("H20", {"fp32": 44.0, "tf32": 74.0, "bf16": 148.0, "fp16": 148.0}),
+    ("GH200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+    ("B200", {"fp32": 80.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0}),
+    ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
+    ("A800", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
+    ("A10G", {"fp32": 31.2, "tf32": 70.0, "bf16": 140.0, "fp16": 140.0}),
+    ("A10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}),
+    ("L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.0, "fp16": 362.0}),
+    ("L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}),
+    ("RTX 4090", {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2}),
+    ("V100", {"fp32": 15.7, "tf32": 15.7, "bf16": 15.7, "fp16": 125.0}),
+    ("T4", {"fp32": 8.1, "tf32": 8.1, "bf16": 8.1, "fp16": 65.0}),
+    # Ascend (torch_npu reports names such as "Ascend910B2").
+    ("910B1", {"fp32": 94.0, "tf32": 94.0, "bf16": 378.0, "fp16": 378.0}),
+    ("910B2", {"fp32": 94.0, "tf32": 94.0, "bf16": 353.0, "fp16": 353.0}),
+    ("910B3", {"fp32": 75.0, "tf32": 75.0, "bf16": 313.0, "fp16": 313.0}),
+    ("910B4", {"fp32": 70.0, "tf32": 70.0, "bf16": 280.0, "fp16": 280.0}),
+    ("910", {"fp32": 64.0, "tf32": 64.0, "bf16": 256.0, "fp16": 256.0}),
+]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What one device family on this machine offers a trial."""
+
+    family: str  # cpu | cuda | npu
+    name: str  # e.g. "NVIDIA H200", "Ascend910B2", or the CPU model
+    count: int  # devices available for ranks (CPU: cores)
+    memory_bytes: int  # per device (CPU: total RAM)
+    backend: str  # torch.distributed backend
+    attention_backends: tuple[str, ...]
+    amp_dtypes: tuple[str, ...]  # low-precision dtypes autocast supports here
+    compile_modes: tuple[str, ...]  # torch.compile modes that work here
+    supports_tf32: bool = False
+    supports_pin_memory: bool = False
+    supports_offload: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def npu_module():
+    """Return the imported torch_npu module, or None when it is not installed or has no device."""
+    try:
+        mod = importlib.import_module("torch_npu")
+    except Exception:  # noqa: BLE001 - any import failure means "no NPU here"
+        return None
+    npu = getattr(torch, "npu", None)
+    try:
+        if npu is None or not npu.is_available():
+            return None
+    except Exception:  # noqa: BLE001
+        return None
+    return mod
+
+
+def available_families() -> list[str]:
+    fams = ["cpu"]
+    if torch.cuda.is_available():
+        fams.append("cuda")
+    if npu_module() is not None:
+        fams.append("npu")
+    return fams
+
+
+def resolve_family(requested: str = "auto") -> str:
+    """Map a recipe's `hardware.device` to a family present here; raise if it is absent."""
+    fams = available_families()
+    if requested == "auto":
+        for fam in ("npu", "cuda", "cpu"):
+            if fam in fams:
+                return fam
+    if requested not in FAMILIES:
+        raise ValueError(f"hardware.device: unknown device {requested!r}; use one of auto, cpu, cuda, npu")
+    if requested not in fams:
+        raise ValueError(
+            f"hardware.device: {requested} requested but not available on this machine "
+            f"(available: {', '.join(fams)}); set hardware.device to auto or one of those"
+        )
+    return requested
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@functools.lru_cache(maxsize=None)
+def describe(family: str) -> DeviceInfo:
+    if family == "cpu":
+        return DeviceInfo(
+            family="cpu",
+            name=_cpu_name(),
+            count=usable_cpus(),
+            memory_bytes=_total_ram(),
+            backend="gloo",
+            attention_backends=("math", "flash"),
+            amp_dtypes=("bf16", "fp16"),
+            compile_modes=("none", "default", "max-autotune"),
+        )
+    if family == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        major, minor = props.major, props.minor
+        attn = ["math", "efficient"]
+        if major >= 8:
+            attn += ["flash", "cudnn"]
+        dtypes = ("bf16", "fp16") if major >= 8 else ("fp16",)
+        return DeviceInfo(
+            family="cuda",
+            name=props.name,
+            count=torch.cuda.device_count(),
+            memory_bytes=props.total_memory,
+            backend="nccl",
+            attention_backends=tuple(attn),
+            amp_dtypes=dtypes,
+            compile_modes=("none", "default", "max-autotune", "reduce-overhead"),
+            supports_tf32=major >= 8,
+            supports_pin_memory=True,
+            supports_offload=True,
+            extra={"capability": f"{major}.{minor}", "cuda": torch.version.cuda},
+        )
+    if family == "npu":
+        mod = npu_module()
+        if mod is None:
+            raise ValueError("npu requested but torch_npu is not importable or sees no device")
+        npu = torch.npu
+        name = npu.get_device_name(0)
+        total = npu.get_device_properties(0).total_memory
+        return DeviceInfo(
+            family="npu",
+            name=name,
+            count=npu.device_count(),
+            memory_bytes=total,
+            backend="hccl",
+            attention_backends=("math", "npu_fusion"),
+            amp_dtypes=("bf16", "fp16"),
+            # torch.compile on Ascend needs torchair, which we do not drive; eager only.
+            compile_modes=("none",),
+            supports_pin_memory=True,
+            supports_offload=True,
+            extra={"torch_npu": getattr(mod, "__version__", "unknown")},
+        )
+    raise ValueError(f"unknown device family {family!r}")
+
+
+def table_peak_tflops(name: str, dtype: str) -> float | None:
+    for key, peaks in _PEAK_TFLOPS:
+        if key.lower() in name.lower():
+            return peaks.get(dtype)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TUNER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tuner"
+    )
+    return Path(root)
+
+
+def measure_matmul_tflops(
+    dtype: torch.dtype, threads: int, device: str = "cpu", n: int = 1024, reps: int = 5
+) -> float:
+    """Best-of-`reps` square matmul throughput on `device` (CPU: with `threads` threads)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    family = device.split(":")[0]
+    if family != "cpu":
+        n = 8192
+    try:
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        torch.mm(a, b)  # warm-up
+        synchronize(family)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            synchronize(family)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * n**3 / best / 1e12
+    finally:
+        torch.set_num_threads(old)
+
+
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def peak_tflops(info: DeviceInfo, dtype: str, threads: int = 1) -> float:
+    """Peak TFLOP/s of one device (one CPU rank with `threads` threads) for MFU.
+
+    Known accelerators use the datasheet table; the CPU and unknown accelerators use a measured
+    matmul, cached on disk per device name, torch version, dtype and thread count.
+    """
+    if info.family != "cpu":
+        val = table_peak_tflops(info.name, dtype)
+        if val is not None:
+            return val
+    key = f"{info.family}|{info.name}|{torch.__version__}|{dtype}|{threads}"
+    path = _cache_dir() / "peak_tflops.json"
+    cache: dict[str, float] = {}
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    if key in cache:
+        return cache[key]
+    device = "cpu" if info.family == "cpu" else f"{info.family}:0"
+    val = measure_matmul_tflops(_DTYPES[dtype], threads, device)
+    cache[key] = val
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return val
+
+
+# ---- runtime helpers used inside trial processes ---------------------------------------------
+
+
+def torch_device(family: str, local_rank: int) -> torch.device:
+    if family == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if family == "npu":
+        npu_module()
+        torch.npu.set_device(local_rank)
+        return torch.device("npu", local_rank)
+    return torch.device("cpu")
+
+
+def synchronize(family: str) -> None:
+    if family == "cuda":
+        torch.cuda.synchronize()
+    elif family == "npu":
+        torch.npu.synchronize()
+
+
+def _proc_status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak_memory(family: str) -> int:
+    """Start a fresh peak-memory window; return the baseline (bytes) later peaks are relative to.
+
+    On CPU torch keeps no allocator statistics, so the peak is the process's resident-set high
+    water mark (VmHWM), reset through /proc/self/clear_refs, and the baseline is the RSS now.
+    """
+    if family == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return 0
+    if family == "npu":
+        torch.npu.reset_peak_memory_stats()
+        return 0
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _proc_status_kb("VmRSS") * 1024
+
+
+def peak_memory(family: str, baseline: int = 0) -> tuple[int, int]:
+    """(allocated, reserved) peak bytes since `reset_peak_memory`.
+
+    CPU: both are the resident-set growth over the baseline (RSS high water mark - baseline).
+    """
+    if family == "cuda":
+        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    if family == "npu":
+        return torch.npu.max_memory_allocated(), torch.npu.max_memory_reserved()
+    hwm = _proc_status_kb("VmHWM") * 1024
+    if hwm == 0:  # no /proc: fall back to getrusage (kilobytes on Linux)
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    growth = max(0, hwm - baseline)
+    return growth, growth
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return "out of memory" in text.lower() or "NPU out of memory" in text

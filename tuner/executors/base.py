@@ -1,0 +1,63 @@
+"""The executor contract: how the study hands trials to devices and gets results back.
+
+Implementations: `local.LocalExecutor` (subprocesses on this machine) and
+`ray_executor.RayExecutor` (Ray tasks on a cluster). One contract test suite runs against both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from tuner.result import TrialResult, TrialSpec
+
+
+class Executor(ABC):
+    """Runs trials, each in a process group of its own, never in the caller's process.
+
+    Contract:
+    - `free_slots(spec)` says how many more trials like `spec` can start now without sharing a
+      device (or, on CPU, a core) with a running trial. Concurrency follows resources.
+    - `submit(spec)` starts the trial and returns at once. It raises `RuntimeError` when there is
+      no free slot; callers ask `free_slots` first.
+    - `wait(timeout)` blocks until at least one submitted trial finished (or `timeout` seconds
+      passed) and returns the finished results. Each submitted trial's result is returned exactly
+      once, with `result.tag == spec.tag`. A trial that crashed, hung, ran out of memory or lost
+      its worker comes back as a result with that status; `wait` itself does not raise for it.
+    - `cancel()` stops every running trial (no orphan processes) and forgets them.
+    - `close()` releases the executor's resources; it cancels what still runs.
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def free_slots(self, spec: TrialSpec) -> int: ...
+
+    @abstractmethod
+    def submit(self, spec: TrialSpec) -> None: ...
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> list[TrialResult]: ...
+
+    @abstractmethod
+    def running(self) -> list[str]:
+        """Tags of the trials in flight."""
+
+    @abstractmethod
+    def cancel(self) -> None: ...
+
+    def close(self) -> None:
+        self.cancel()
+
+    def run(self, spec: TrialSpec) -> TrialResult:
+        """Run one trial to completion (convenience for `tuner measure` and tests)."""
+        self.submit(spec)
+        while True:
+            for result in self.wait(timeout=1.0):
+                if result.tag == spec.tag:
+                    return result
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,171 @@
+"""The recipe: the public input document (what to train, on which devices, with what budget).
+
+CLI, REST and nightly all take this one document. It is data only: a built-in model family
+with sizes, never a path to Python code (see DESIGN.md, trust boundary).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used. `problems` holds one (field, message) pair per fault."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f"{source}: " if source else ""
+        lines = [f"{where}{field}: {msg}" if field else f"{where}{msg}" for field, msg in problems]
+        super().__init__("\n".join(lines))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Section):
+    family: Literal["gpt"] = Field(
+        "gpt", description="Built-in model family. Only the GPT-style decoder exists today."
+    )
+    layers: int = Field(..., ge=1, le=512, description="Number of transformer blocks.")
+    hidden: int = Field(..., ge=8, le=65536, description="Model width (d_model).")
+    heads: int = Field(..., ge=1, le=1024, description="Attention heads; must divide hidden.")
+    seq_len: int = Field(..., ge=2, le=1_048_576, description="Tokens per sample.")
+    vocab: int = Field(..., ge=2, le=2_000_000, description="Vocabulary size.")
+    ffn: int | None = Field(None, ge=1, description="MLP inner size; default 4 * hidden.")
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelSpec:
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"hidden ({self.hidden}) must be divisible by heads ({self.heads}); "
+                "pick a head count that divides the width"
+            )
+        return self
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn if self.ffn is not None else 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+class TrainSpec(_Section):
+    global_batch_size: int = Field(16, ge=1, description="Samples per optimizer step, all ranks.")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(3.0e-4, gt=0, le=10, description="Learning rate.")
+
+
+class HardwareSpec(_Section):
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="Device family; auto picks npu, then cuda, then cpu."
+    )
+    devices: int = Field(1, ge=1, le=4096, description="Devices (ranks) per trial.")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="Peak memory allowed per device in GiB; null = the device's size."
+    )
+
+
+class SearchSpec(_Section):
+    space: str | None = Field(
+        None, description="Search space name (search_spaces/<name>.yaml); default: device family."
+    )
+    trials: int = Field(30, ge=1, le=100_000, description="Trials to run (pruned ones count).")
+    timeout_min: float = Field(30, gt=0, description="Stop starting new trials after this long.")
+    sampler: Literal["tpe", "gp", "cmaes", "random", "grid"] = Field("tpe")
+    seed: int = Field(0, ge=0)
+    objective: Literal["throughput", "throughput_memory"] = Field(
+        "throughput", description="throughput_memory also minimises peak memory (Pareto front)."
+    )
+    patience: int | None = Field(
+        None, ge=1, description="Stop early when the best has not improved for this many trials."
+    )
+    overrides: dict[str, list[Any]] = Field(
+        default_factory=dict, description="Narrow a knob's domain: {knob: [values]}."
+    )
+
+
+class MeasureSpec(_Section):
+    warmup_steps: int = Field(2, ge=0, le=1000)
+    steps: int = Field(5, ge=1, le=10_000)
+    timeout_s: float = Field(300, gt=0, description="A trial running longer is killed (timeout).")
+
+
+class Recipe(_Section):
+    name: str = Field(..., min_length=1, max_length=200)
+    model: ModelSpec
+    train: TrainSpec = TrainSpec()
+    hardware: HardwareSpec = HardwareSpec()
+    search: SearchSpec = SearchSpec()
+    measure: MeasureSpec = MeasureSpec()
+
+    def hash(self) -> str:
+        """Stable 16-hex-digit hash of what changes the measurement (not name or search budget)."""
+        payload = {
+            "model": self.model.model_dump(),
+            "train": self.train.model_dump(),
+            "hardware": self.hardware.model_dump(),
+            "measure": self.measure.model_dump(exclude={"timeout_s"}),
+        }
+        blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not str(p).startswith("function-after"))
+
+
+def _problems(err: ValidationError) -> list[tuple[str, str]]:
+    out = []
+    for e in err.errors():
+        field = _field_path(e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; remove it or check its spelling"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        out.append((field, msg))
+    return out
+
+
+def recipe_from_dict(data: Any, source: str | None = None) -> Recipe:
+    if not isinstance(data, dict):
+        raise RecipeError([("", "a recipe must be a mapping with at least 'name' and 'model'")], source)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise RecipeError(_problems(err), source) from None
+
+
+def parse_recipe(text: str, source: str | None = None) -> Recipe:
+    """Parse YAML or JSON text (JSON is YAML) into a validated Recipe."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError([("", f"not valid YAML or JSON{where}: {getattr(err, 'problem', err)}")], source) from None
+    return recipe_from_dict(data, source)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise RecipeError([("", f"cannot read recipe file: {err.strerror}")], str(p)) from None
+    return parse_recipe(text, str(p))

@@ -1,0 +1,98 @@
+"""What one trial asks for (`TrialSpec`) and what it reports (`TrialResult`).
+
+Both are plain JSON so they cross process, Ray and HTTP boundaries unchanged. The result keys
+are fixed by DESIGN.md and used everywhere (CLI --json, trial user attributes, REST).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# The public result keys, in display order (DESIGN.md).
+RESULT_KEYS = (
+    "status",
+    "step_time_s",
+    "step_time_spread",
+    "tokens_per_s",
+    "samples_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_allocated_bytes",
+    "peak_mem_reserved_bytes",
+    "estimated_peak_mem_bytes",
+    "loss",
+    "error",
+)
+
+STATUSES = ("ok", "oom", "error", "timeout", "pruned")
+
+
+@dataclass
+class TrialSpec:
+    """Everything a trial process needs; serialised to JSON and handed to every rank."""
+
+    recipe: dict[str, Any]  # Recipe.to_dict()
+    config: dict[str, Any]  # Config.to_dict()
+    family: str  # resolved device family: cpu | cuda | npu
+    workdir: str  # the trial's own directory: logs, result.json, profile
+    timeout_s: float = 300.0
+    profile: bool = False  # write a Chrome trace + breakdown into workdir/profile
+    estimated_peak_mem_bytes: int | None = None
+    memory_budget_bytes: int | None = None  # per device; exceeding it is an oom
+    seed: int = 0
+    tag: str = ""  # caller's handle (e.g. Optuna trial number), echoed back in the result
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrialSpec:
+        return cls(**d)
+
+
+@dataclass
+class TrialResult:
+    status: str
+    step_time_s: float | None = None
+    step_time_spread: float | None = None
+    tokens_per_s: float | None = None
+    samples_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_mem_allocated_bytes: int | None = None
+    peak_mem_reserved_bytes: int | None = None
+    estimated_peak_mem_bytes: int | None = None
+    loss: float | None = None
+    error: str | None = None
+    # Beyond the public keys: evidence kept with the trial.
+    error_kind: str | None = None  # e.g. exception class, "timeout", "budget", "worker_died"
+    losses: list[float] = field(default_factory=list)  # per measured step, same seed and data
+    step_times: list[float] = field(default_factory=list)
+    wall_s: float | None = None  # launch to exit, as the executor saw it
+    measured_s: float | None = None  # time inside measured steps
+    breakdown: dict[str, float] | None = None  # step-time seconds by category (with --profile)
+    log_path: str | None = None
+    log_tail: str | None = None
+    node: str | None = None  # host that ran it
+    tag: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def public(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in RESULT_KEYS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrialResult:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @property
+    def overhead_s(self) -> float | None:
+        """Time the trial cost outside its measured steps (launch, build, warm-up, teardown)."""
+        if self.wall_s is None or self.measured_s is None:
+            return None
+        return max(0.0, self.wall_s - self.measured_s)
