@@ -1,0 +1,57 @@
+"""The hardware and software fingerprint a study is keyed by, so results never silently mix
+devices, drivers or torch versions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tuner
+from tuner.devices import _cpu_name, describe
+
+
+def _nvidia_driver() -> str | None:
+    # torch does not expose the driver version; the kernel module reports it without NVML.
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    for token in text.split():
+        if token[:1].isdigit() and token.count(".") >= 1:
+            return token
+    return None
+
+
+def fingerprint(family: str) -> dict[str, Any]:
+    """What a measurement depends on besides the recipe: device model and count, versions.
+
+    The host name is left out on purpose: identical nodes of a cluster share one study.
+    """
+    info = describe(family)
+    fp: dict[str, Any] = {
+        "family": family,
+        "device": info.name,
+        "device_count": info.count,
+        "cpu": _cpu_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "tuner": tuner.__version__,
+    }
+    if family == "cuda":
+        fp["cuda"] = torch.version.cuda
+        fp["driver"] = _nvidia_driver()
+        fp["capability"] = info.extra.get("capability")
+    if family == "npu":
+        fp["torch_npu"] = info.extra.get("torch_npu")
+    return fp
+
+
+def fingerprint_hash(fp: dict[str, Any]) -> str:
+    """Short stable hash of a fingerprint (8 hex digits)."""
+    blob = json.dumps(fp, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]

@@ -1,0 +1,252 @@
+"""Search spaces: each knob's domain for one device family (search_spaces/*.yaml), and how a
+trial samples a `Config` from it with conditional knobs."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tuner.config import KNOBS, Config, ConfigError, infeasible_reasons
+from tuner.devices import FAMILIES, DeviceInfo
+from tuner.recipe import Recipe
+
+# The repo root holds search_spaces/; with `pip install -e .` the package sits next to it.
+SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+
+# The parallel split is one categorical so dp * tp * pp == devices always holds; dp, tp and pp
+# are also recorded as (single-choice) params so trial params keep the canonical knob names.
+SPLIT_PARAM = "parallel"
+_DEGREES = ("dp", "tp", "pp")
+
+
+class SpaceError(ValueError):
+    """A search space file, or an override of it, that cannot be used."""
+
+
+def split_label(dp: int, tp: int, pp: int) -> str:
+    return f"dp{dp}-tp{tp}-pp{pp}"
+
+
+def _parse_split(label: str) -> tuple[int, int, int]:
+    dp, tp, pp = (int(part[2:]) for part in label.split("-"))
+    return dp, tp, pp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _applies(name: str, values: dict[str, Any]) -> bool:
+    """Whether a conditional knob matters for the knobs chosen so far (see Config.normalized)."""
+    if name == "pp_schedule":
+        return values["pp"] > 1
+    if name == "dp_shard":
+        return values["dp"] > 1
+    if name in ("bucket_mb", "grad_compression"):
+        return values["dp"] > 1 and values["dp_shard"] == "ddp"
+    if name == "amp_dtype":
+        return values["amp"] != "O0"
+    return True
+
+
+# Sampling order: a conditional knob comes after the knobs it depends on.
+_ORDER = (
+    "micro_batch_size",
+    "dp_shard",
+    "pp_schedule",
+    "bucket_mb",
+    "grad_compression",
+    "recompute",
+    "offload",
+    "attention",
+    "amp",
+    "amp_dtype",
+    "tf32",
+    "compile",
+    "optimizer_impl",
+    "loader_workers",
+    "pin_memory",
+    "cpu_affinity",
+)
+assert set(_ORDER) | set(_DEGREES) == set(KNOBS)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Domains of every knob. dp/tp/pp domains of None mean "every divisor of the devices"."""
+
+    name: str
+    family: str
+    domains: dict[str, tuple[Any, ...] | None]
+    source: str = ""
+
+    def splits(self, devices: int) -> list[tuple[int, int, int]]:
+        """Every (dp, tp, pp) in the domains with dp * tp * pp == devices."""
+        allowed = [self.domains[d] or tuple(_divisors(devices)) for d in _DEGREES]
+        return [s for s in itertools.product(*allowed) if s[0] * s[1] * s[2] == devices]
+
+    def narrow(self, overrides: dict[str, list[Any]]) -> SearchSpace:
+        """Restrict domains to a recipe's `search.overrides`; values must lie in the space."""
+        domains = dict(self.domains)
+        for name, raw_values in overrides.items():
+            field = f"search.overrides.{name}"
+            knob = KNOBS.get(name)
+            if knob is None:
+                raise SpaceError(f"{field}: unknown knob; valid knobs: {', '.join(KNOBS)}")
+            if not isinstance(raw_values, list) or not raw_values:
+                raise SpaceError(f"{field}: give a non-empty list of values, e.g. {name}: [...]")
+            values = []
+            for raw in raw_values:
+                try:
+                    value = knob.parse(raw)
+                except ConfigError as err:
+                    raise SpaceError(f"{field}: {err}") from None
+                current = domains[name]
+                if current is not None and value not in current:
+                    raise SpaceError(
+                        f"{field}: {raw!r} is not in the {self.name} space; "
+                        f"choose from {_show(current)} (or edit {self.source or self.name})"
+                    )
+                if value not in values:
+                    values.append(value)
+            domains[name] = tuple(values)
+        return replace(self, domains=domains)
+
+    def contains(self, config: Config, devices: int) -> bool:
+        """Whether `config` could have been sampled from this space (enqueue needs that)."""
+        if (config.dp, config.tp, config.pp) not in self.splits(devices):
+            return False
+        chosen = config.to_dict()
+        return all(chosen[n] in self.domains[n] for n in _ORDER if _applies(n, chosen) and self.domains[n])
+
+    def suggest(self, trial: Any, recipe: Recipe, device: DeviceInfo) -> Config:
+        """Sample a Config in an Optuna trial; knobs that do not apply are not sampled at all."""
+        labels = [split_label(*s) for s in self.splits(recipe.hardware.devices)]
+        if not labels:
+            raise SpaceError(
+                f"{self.source or self.name}: no dp*tp*pp split equals hardware.devices "
+                f"({recipe.hardware.devices}); widen dp/tp/pp or change hardware.devices"
+            )
+        chosen: dict[str, Any] = dict(
+            zip(_DEGREES, _parse_split(trial.suggest_categorical(SPLIT_PARAM, labels)), strict=True)
+        )
+        for name in _DEGREES:
+            trial.suggest_categorical(name, [chosen[name]])
+        default = Config()
+        for name in _ORDER:
+            if _applies(name, chosen):
+                chosen[name] = trial.suggest_categorical(name, list(self.domains[name]))
+            else:
+                chosen[name] = getattr(default, name)
+        return Config(**chosen)
+
+    def configs(self, recipe: Recipe, device: DeviceInfo, feasible_only: bool = True) -> Iterator[Config]:
+        """Every distinct config of the space (for grid search and benchmarks).
+
+        With `feasible_only`, configs the feasibility rules reject for this recipe and device
+        are skipped.
+        """
+        for split in self.splits(recipe.hardware.devices):
+            for config in self._expand(dict(zip(_DEGREES, split, strict=True)), 0):
+                if not feasible_only or not infeasible_reasons(config, recipe, device):
+                    yield config
+
+    def _expand(self, chosen: dict[str, Any], i: int) -> Iterator[Config]:
+        if i == len(_ORDER):
+            yield Config(**chosen)
+            return
+        name = _ORDER[i]
+        values = self.domains[name] if _applies(name, chosen) else (getattr(Config(), name),)
+        for value in values:
+            yield from self._expand({**chosen, name: value}, i + 1)
+
+
+def trial_params(config: Config) -> dict[str, Any]:
+    """The Optuna params `SearchSpace.suggest` would record for `config` (for enqueue_trial)."""
+    params = config.active_params()
+    params[SPLIT_PARAM] = split_label(config.dp, config.tp, config.pp)
+    return params
+
+
+def config_from_params(params: dict[str, Any]) -> Config:
+    """The Config of a stored trial (its params minus the split label)."""
+    return Config.from_params({k: v for k, v in params.items() if k != SPLIT_PARAM})
+
+
+def _show(values: tuple[Any, ...]) -> str:
+    return ", ".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
+
+
+def _space_path(name_or_path: str | Path) -> Path:
+    text = str(name_or_path)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml") or path.exists() or "/" in text:
+        return path
+    return SPACES_DIR / f"{text}.yaml"
+
+
+def available_spaces() -> list[str]:
+    return sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
+
+
+def load_space(name_or_path: str | Path) -> SearchSpace:
+    """Load a space by name (search_spaces/<name>.yaml) or by path to a YAML file."""
+    path = _space_path(name_or_path)
+    src = str(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        known = ", ".join(available_spaces()) or "none"
+        raise SpaceError(
+            f"search space {str(name_or_path)!r} not found ({src}); known spaces: {known}, "
+            "or give a path to a YAML file"
+        ) from None
+    except yaml.YAMLError as err:
+        raise SpaceError(f"{src}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise SpaceError(f"{src}: expected a mapping with keys 'family' and 'knobs'")
+    unknown = set(data) - {"family", "knobs"}
+    if unknown:
+        raise SpaceError(f"{src}: {sorted(unknown)[0]}: unknown key; a space has 'family' and 'knobs'")
+    family = data.get("family")
+    if family not in FAMILIES:
+        raise SpaceError(
+            f"{src}: family: {family!r} is not a device family; use one of {', '.join(FAMILIES)}"
+        )
+    knobs = data.get("knobs")
+    if not isinstance(knobs, dict):
+        raise SpaceError(f"{src}: knobs: expected a mapping of knob name to a list of values")
+    defaults = Config()
+    domains: dict[str, tuple[Any, ...] | None] = {
+        n: (None if n in _DEGREES else (getattr(defaults, n),)) for n in KNOBS
+    }
+    for name, raw in knobs.items():
+        domains[name] = _parse_domain(src, name, raw)
+    return SearchSpace(name=path.stem, family=family, domains=domains, source=src)
+
+
+def _parse_domain(src: str, name: str, raw: Any) -> tuple[Any, ...] | None:
+    where = f"{src}: knobs.{name}"
+    knob = KNOBS.get(name)
+    if knob is None:
+        raise SpaceError(f"{where}: unknown knob; valid knobs: {', '.join(KNOBS)}")
+    if name in _DEGREES and raw == "divisors":
+        return None
+    if not isinstance(raw, list) or not raw:
+        hint = " or 'divisors'" if name in _DEGREES else ""
+        raise SpaceError(f"{where}: expected a non-empty list of values{hint}")
+    values: list[Any] = []
+    for item in raw:
+        try:
+            value = knob.parse(item)
+        except ConfigError as err:
+            raise SpaceError(f"{where}: {err}") from None
+        if value in values:
+            raise SpaceError(f"{where}: {item!r} is listed twice")
+        values.append(value)
+    return tuple(values)

@@ -1,0 +1,72 @@
+"""Optuna storage: which database a study lives in, and one shared RDBStorage per URL."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from typing import Any
+
+import optuna
+import sqlalchemy
+
+ENV_VAR = "TUNER_DATABASE_URL"
+_SQLITE_BUSY_TIMEOUT_S = 60
+
+_lock = threading.Lock()
+_storages: dict[str, optuna.storages.RDBStorage] = {}
+
+
+def default_storage_url() -> str:
+    """`TUNER_DATABASE_URL`, else a SQLite file `tuner.db` in the current directory."""
+    return os.environ.get(ENV_VAR) or "sqlite:///tuner.db"
+
+
+def _sqlite_path(url: str) -> str | None:
+    path = sqlalchemy.engine.make_url(url).database
+    return path if path and path != ":memory:" else None
+
+
+def _enable_wal(path: str) -> None:
+    # WAL lets readers (dashboard, `tuner show`, the REST service) run while a driver writes.
+    # It is a property of the file, so set it once before the engine opens the database.
+    con = sqlite3.connect(path, timeout=_SQLITE_BUSY_TIMEOUT_S)
+    try:
+        con.execute("PRAGMA journal_mode=WAL")
+    finally:
+        con.close()
+
+
+def _on_sqlite_connect(dbapi_con: Any, _record: Any) -> None:
+    dbapi_con.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_TIMEOUT_S * 1000}")
+    dbapi_con.execute("PRAGMA synchronous = NORMAL")
+
+
+def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
+    """The process-wide RDBStorage for `url` (default: `default_storage_url()`).
+
+    One object per URL per process: each RDBStorage owns an engine and a connection pool.
+    """
+    url = url or default_storage_url()
+    with _lock:
+        storage = _storages.get(url)
+        if storage is not None:
+            return storage
+        if url.startswith("sqlite"):
+            path = _sqlite_path(url)
+            if path:
+                _enable_wal(path)
+            engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": _SQLITE_BUSY_TIMEOUT_S}}
+        else:
+            engine_kwargs = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 5}
+        try:
+            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+        except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError) as err:
+            raise ValueError(f"--storage: {url!r} is not a database URL SQLAlchemy knows: {err}") from None
+        except sqlalchemy.exc.OperationalError as err:
+            raise ValueError(f"--storage: cannot connect to {url!r}: {err.orig}") from None
+        if url.startswith("sqlite"):
+            sqlalchemy.event.listen(storage.engine, "connect", _on_sqlite_connect)
+            storage.engine.dispose()  # reconnect so every pooled connection gets the pragmas
+        _storages[url] = storage
+        return storage
