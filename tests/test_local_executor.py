@@ -1,0 +1,169 @@
+"""The local trial runner: how a trial ended (ok, oom, error, timeout) and that nothing survives it.
+
+Two layers: a stand-in rank (a few lines of Python, no torch) checks the launcher's supervision and
+classification quickly; the real workload (tiny GPT, 2 gloo ranks) checks it end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tuner.executors import local
+from tuner.executors.local import LocalExecutor, run_trial, session_pids
+from tuner.result import TrialSpec
+
+pytestmark = pytest.mark.slow
+
+TINY_RECIPE = {
+    "name": "exec-test",
+    "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256},
+    "train": {"global_batch_size": 8},
+    "hardware": {"device": "cpu", "devices": 2},
+    "measure": {"warmup_steps": 1, "steps": 2},
+}
+
+# Behaves like tuner.workload from the outside: rank 0 writes result.json, a failing rank writes
+# its error json and exits 1, and healthy ranks wait forever for the failed peer (like a collective).
+STANDIN = textwrap.dedent(
+    """
+    import json, os, sys, time, signal
+    spec = json.load(open(sys.argv[1]))
+    wd, rank = spec["workdir"], int(os.environ["RANK"])
+    fault = os.environ.get("TUNER_TEST_FAULT", "")
+    print("rank", rank, "of", os.environ["WORLD_SIZE"], "port", os.environ["MASTER_PORT"])
+    if fault and rank == int(os.environ.get("TUNER_TEST_FAULT_RANK", "0")):
+        if fault == "segfault":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if fault == "hang":
+            time.sleep(3600)
+        if fault == "exit3":
+            print("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"); sys.exit(3)
+        status = "oom" if fault.startswith("alloc") else "error"
+        json.dump({"status": status, "error_kind": "RuntimeError", "error": "boom from rank %d" % rank,
+                   "traceback": "Traceback ..."}, open(f"{wd}/rank{rank}.error.json", "w"))
+        sys.exit(1)
+    if fault:
+        time.sleep(3600)
+    if rank == 0:
+        json.dump({"status": "ok", "step_time_s": 0.01, "peak_mem_reserved_bytes": 1000,
+                   "measured_s": 0.02}, open(f"{wd}/result.json", "w"))
+    """
+)
+
+
+@pytest.fixture
+def standin(tmp_path, monkeypatch):
+    (tmp_path / "standin_rank.py").write_text(STANDIN)
+    monkeypatch.setattr(local, "RANK_MODULE", "standin_rank")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return tmp_path
+
+
+def make_spec(tmp_path: Path, tag: str = "t", timeout_s: float = 60, **config) -> TrialSpec:
+    return TrialSpec(
+        recipe=TINY_RECIPE,
+        config={"dp": 2, **config},
+        family="cpu",
+        workdir=str(tmp_path / f"trial-{tag}"),
+        timeout_s=timeout_s,
+        tag=tag,
+    )
+
+
+def trial_session(workdir: str | Path) -> int:
+    """The trial's session id, as its launcher recorded it."""
+    return json.loads((Path(workdir) / "exits.json").read_text())["session"]
+
+
+def test_standin_ok_fills_result(standin):
+    res = run_trial(make_spec(standin, "ok"))
+    assert res.status == "ok", res.error
+    assert res.tag == "ok" and res.node and res.wall_s > 0
+    assert "[rank1] rank 1 of 2" in res.log_tail
+    assert Path(res.log_path).name == "trial.log"
+    assert json.loads((Path(res.log_path).parent / "spec.json").read_text())["tag"] == "ok"
+
+
+def test_standin_budget_exceeded_is_oom(standin):
+    spec = make_spec(standin, "budget")
+    spec.memory_budget_bytes = 500  # the stand-in reports a 1000-byte peak
+    res = run_trial(spec)
+    assert res.status == "oom" and res.error_kind == "budget"
+    assert "exceeds the memory budget" in res.error
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "text"),
+    [
+        ("raise", "error", "rank 1: boom from rank 1"),
+        ("alloc:64", "oom", "rank 1: boom from rank 1"),
+        ("segfault", "error", "rank 1 was killed by SIGSEGV"),
+        ("exit3", "oom", "CUDA out of memory"),
+    ],
+)
+def test_standin_failure_kills_waiting_peer(standin, fault, status, text):
+    t0 = time.monotonic()
+    res = run_trial(
+        make_spec(standin, fault.replace(":", "")),
+        env={"TUNER_TEST_FAULT": fault, "TUNER_TEST_FAULT_RANK": "1"},
+    )
+    assert res.status == status
+    assert text in res.error
+    # rank 0 waits forever; the group is killed after the failure grace, not at the 60 s timeout.
+    assert time.monotonic() - t0 < local.FAIL_GRACE_S + local.TERM_GRACE_S + 5
+
+
+def test_standin_timeout_leaves_no_process(standin):
+    res = run_trial(make_spec(standin, "hang", timeout_s=2), env={"TUNER_TEST_FAULT": "hang"})
+    assert res.status == "timeout" and "timeout of 2s" in res.error
+    sid = res.extra["session"]
+    assert sid == trial_session(standin / "trial-hang")
+    assert session_pids(sid) == []
+
+
+def test_cpus_pin_every_rank(standin):
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    script = standin / "standin_rank.py"
+    script.write_text("import os, sys, json\nprint('affinity', sorted(os.sched_getaffinity(0)))\n" + STANDIN)
+    res = run_trial(make_spec(standin, "pin"), cpus=[cpu])
+    assert res.status == "ok", res.error
+    assert res.log_tail.count(f"affinity [{cpu}]") == 2
+
+
+def test_executor_contract_with_standin(standin):
+    ex = LocalExecutor()
+    spec = make_spec(standin, "a")
+    assert ex.free_slots(spec) == 1
+    ex.submit(spec)
+    assert ex.running() == ["a"]
+    assert ex.free_slots(make_spec(standin, "b")) == 0
+    with pytest.raises(RuntimeError, match="free_slots"):
+        ex.submit(make_spec(standin, "b"))
+    results = []
+    deadline = time.monotonic() + 30
+    while not results and time.monotonic() < deadline:
+        results = ex.wait(timeout=1)
+    assert [r.tag for r in results] == ["a"] and results[0].status == "ok"
+    assert ex.wait(timeout=0.2) == []  # exactly once
+    assert ex.running() == []
+
+
+def test_executor_cancel_kills_trial(standin):
+    ex = LocalExecutor(env={"TUNER_TEST_FAULT": "hang"})
+    spec = make_spec(standin, "c", timeout_s=60)
+    ex.submit(spec)
+    deadline = time.monotonic() + 10
+    while "rank 1 of 2" not in local.tail(Path(spec.workdir) / "trial.log", 5):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    ex.cancel()
+    assert time.monotonic() - t0 < local.TERM_GRACE_S + 3
+    assert ex.running() == [] and ex.wait(timeout=0.2) == []
+    assert session_pids(trial_session(spec.workdir)) == []
