@@ -1,0 +1,50 @@
+"""The FastAPI application factory: settings, error shape, body limit, routers, schema upgrade."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import RedirectResponse
+
+from api.errors import BodySizeLimit, install_error_handlers
+from api.routes import events, jobs, system
+from api.settings import Settings
+
+log = logging.getLogger("tuner.api")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app. Settings default to the environment (see api/settings.py)."""
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        # `tuner serve` is one command: bring the schema up to date instead of refusing to start.
+        from tuner.migrations import is_current, upgrade
+
+        if not is_current(settings.database_url):
+            before, after = upgrade(settings.database_url)
+            log.info("database schema upgraded %s -> %s", before, after)
+        yield
+
+    app = FastAPI(
+        title="tuner",
+        version="0.1.0",
+        summary="Find the fastest training configuration for a model recipe on real devices.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.include_router(jobs.router)
+    app.include_router(events.router)
+    app.include_router(system.router)
+
+    @app.get("/", include_in_schema=False)
+    def root():
+        # The dashboard will live here; until then, point people at the API docs.
+        return RedirectResponse("/docs")
+
+    return app

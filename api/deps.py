@@ -1,0 +1,63 @@
+"""Dependencies as `Annotated` aliases, so routes stay thin and tests can override them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from api.auth import find_token
+from api.errors import ApiError
+from api.settings import Settings
+from tuner.db import ApiToken, session_scope
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_session(settings: SettingsDep) -> Iterator[Session]:
+    with session_scope(settings.database_url) as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+_bearer = HTTPBearer(auto_error=False, description="A token from `tuner token create --name NAME`.")
+_Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _check(session: Session, creds: HTTPAuthorizationCredentials | None) -> ApiToken:
+    if creds is None or not creds.credentials:
+        raise ApiError(
+            401,
+            "missing API token: send 'Authorization: Bearer <token>' (create one with `tuner token create`)",
+            [("Authorization", "required")],
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    token = find_token(session, creds.credentials)
+    if token is None:
+        raise ApiError(
+            403, "API token is unknown or revoked", [("Authorization", "unknown or revoked token")]
+        )
+    return token
+
+
+def require_write(session: SessionDep, creds: _Credentials) -> ApiToken:
+    return _check(session, creds)
+
+
+def require_read(session: SessionDep, settings: SettingsDep, creds: _Credentials) -> ApiToken | None:
+    if settings.public_reads and creds is None:
+        return None
+    return _check(session, creds)
+
+
+WriteAuth = Annotated[ApiToken, Depends(require_write)]
+ReadAuth = Annotated[ApiToken | None, Depends(require_read)]

@@ -1,0 +1,270 @@
+"""/v1/jobs: submit a recipe, list and read jobs, their trials, best config and build; cancel."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import FileResponse
+from sqlalchemy import select
+
+from api import trials as trial_store
+from api.deps import ReadAuth, SessionDep, SettingsDep, WriteAuth
+from api.errors import ApiError
+from api.schemas import BestPublic, ErrorBody, JobPage, JobPublic, JobState, TrialPage
+from api.settings import Settings
+from tuner.db import FINAL_STATES, Build, Job, add_event, utcnow
+from tuner.recipe import Recipe, RecipeError, parse_recipe, recipe_from_dict
+
+_ERRORS = {s: {"model": ErrorBody} for s in (401, 403, 404, 422, 503)}
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=_ERRORS)
+
+_YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
+_RECIPE_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "The recipe (DESIGN.md), as JSON or YAML. Unknown fields are refused.",
+        "content": {
+            "application/json": {
+                "schema": Recipe.model_json_schema(ref_template="#/components/schemas/{model}")
+            },
+            "application/yaml": {"schema": {"type": "string"}},
+        },
+    }
+}
+
+
+async def _raw_body(request: Request) -> bytes:
+    # Read here so the handler can stay synchronous (database calls off the event loop).
+    return await request.body()
+
+
+RawBody = Annotated[bytes, Depends(_raw_body)]
+
+
+def _get_job(session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise ApiError(404, f"job {job_id} not found", [("id", "no such job; GET /v1/jobs lists jobs")])
+    return job
+
+
+def _parse_body(raw: bytes, content_type: str) -> Recipe:
+    kind = content_type.split(";")[0].strip().lower()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(422, "recipe is not UTF-8 text", [("body", "send UTF-8 JSON or YAML")]) from None
+    try:
+        if kind in _YAML_TYPES:
+            return parse_recipe(text)
+        if kind in ("application/json", ""):
+            try:
+                data = json.loads(text)
+            except ValueError as err:
+                raise ApiError(422, f"body is not valid JSON: {err}", [("body", str(err))]) from None
+            return recipe_from_dict(data)
+    except RecipeError as err:
+        raise ApiError(422, "invalid recipe", err.problems) from None
+    raise ApiError(
+        415,
+        f"unsupported Content-Type {kind!r}",
+        [("Content-Type", "use application/json or application/yaml")],
+    )
+
+
+def _check_recipe(recipe: Recipe, settings: Settings) -> None:
+    problems = []
+    if recipe.search.trials > settings.max_trials:
+        problems.append(
+            (
+                "search.trials",
+                f"at most {settings.max_trials} trials per job on this service (TUNER_MAX_TRIALS)",
+            )
+        )
+    if recipe.search.timeout_min > settings.max_timeout_min:
+        problems.append(
+            (
+                "search.timeout_min",
+                f"at most {settings.max_timeout_min} minutes per job on this service (TUNER_MAX_TIMEOUT_MIN)",
+            )
+        )
+    if recipe.search.space is not None:
+        # Catch a bad space or override now, not minutes later in the worker.
+        from tuner.space import SpaceError, available_spaces, load_space
+
+        if recipe.search.space not in available_spaces():
+            known = ", ".join(available_spaces()) or "none"
+            problems.append(("search.space", f"unknown search space; this service has: {known}"))
+        else:
+            try:
+                load_space(recipe.search.space).narrow(recipe.search.overrides)
+            except SpaceError as err:
+                problems.append(("search.overrides", str(err)))
+    if problems:
+        raise ApiError(422, "recipe exceeds this service's limits or names an unknown space", problems)
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobPublic,
+    openapi_extra=_RECIPE_BODY,
+    responses={413: {"model": ErrorBody}, 415: {"model": ErrorBody}},
+)
+def create_job(
+    request: Request,
+    body: RawBody,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    _: WriteAuth,
+):
+    """Queue a tuning job for a recipe. Returns 202 with the job and links to follow it."""
+    recipe = _parse_body(body, request.headers.get("content-type", ""))
+    _check_recipe(recipe, settings)
+    job = Job(
+        recipe_name=recipe.name,
+        recipe=recipe.to_dict(),
+        recipe_hash=recipe.hash(),
+        state="queued",
+        trials_total=recipe.search.trials,
+    )
+    session.add(job)
+    session.flush()
+    add_event(session, job.id, "queued", {"state": "queued"})
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    return JobPublic.from_row(job)
+
+
+@router.get("", response_model=JobPage)
+def read_jobs(
+    session: SessionDep,
+    _: ReadAuth,
+    state: JobState | None = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[
+        str | None, Query(pattern=r"^[0-9]{1,12}$", description="next_cursor of a page")
+    ] = None,
+):
+    """Jobs, newest first."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    if state:
+        query = query.where(Job.state == state)
+    if cursor:
+        query = query.where(Job.id < int(cursor))
+    rows = list(session.scalars(query))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return JobPage(
+        items=[JobPublic.from_row(j) for j in rows], next_cursor=str(rows[-1].id) if more else None
+    )
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+def read_job(job_id: int, session: SessionDep, _: ReadAuth):
+    return JobPublic.from_row(_get_job(session, job_id))
+
+
+@router.post(
+    "/{job_id}/cancel", status_code=202, response_model=JobPublic, responses={409: {"model": ErrorBody}}
+)
+def cancel_job(job_id: int, session: SessionDep, _: WriteAuth):
+    """Cancel a job: a queued job stops at once; a running one stops its trials within seconds."""
+    job = _get_job(session, job_id)
+    if job.state in FINAL_STATES:
+        raise ApiError(
+            409, f"job {job_id} already {job.state}; nothing to cancel", [("id", f"job is {job.state}")]
+        )
+    job.cancel_requested = True
+    job.updated_at = utcnow()
+    if job.state == "queued":
+        job.state = "cancelled"
+        job.finished_at = utcnow()
+        add_event(session, job.id, "done", {"state": "cancelled"})
+    else:
+        add_event(session, job.id, "cancel_requested", {})
+    return JobPublic.from_row(job)
+
+
+@router.get("/{job_id}/trials", response_model=TrialPage)
+def read_trials(
+    job_id: int,
+    session: SessionDep,
+    _: ReadAuth,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,9}$", description="next_cursor of a page")] = None,
+    status: Annotated[
+        str | None,
+        Query(
+            pattern="^(ok|oom|error|timeout|pruned|running|complete|fail|waiting)$",
+            description="Measured status (ok, oom, error, timeout, pruned) or Optuna state.",
+        ),
+    ] = None,
+    sort: Annotated[str, Query(pattern="^-?(number|tokens_per_s)$")] = "number",
+):
+    """A study's trials, paginated on the server."""
+    job = _get_job(session, job_id)
+    if not job.study_name:
+        return TrialPage(items=[], total=0, next_cursor=None)
+    offset = int(cursor or 0)
+    items, total = trial_store.read_trials(
+        session, job.study_name, limit=limit, offset=offset, status=status, sort=sort
+    )
+    nxt = offset + len(items)
+    return TrialPage(items=items, total=total, next_cursor=str(nxt) if nxt < total else None)
+
+
+@router.get("/{job_id}/best", response_model=BestPublic)
+def read_best(job_id: int, session: SessionDep, _: ReadAuth):
+    """The fastest completed trial so far: its config and its measurements."""
+    job = _get_job(session, job_id)
+    best = trial_store.best_trial(session, job.study_name) if job.study_name else None
+    if best is None:
+        raise ApiError(
+            404, f"job {job_id} has no completed trial yet (state: {job.state})", [("id", "no best yet")]
+        )
+    speedup = best.tokens_per_s / job.baseline_tokens_per_s if job.baseline_tokens_per_s else None
+    return BestPublic(
+        job_id=job.id,
+        study_name=job.study_name,
+        trial=best,
+        baseline_tokens_per_s=job.baseline_tokens_per_s,
+        speedup=speedup,
+    )
+
+
+@router.get(
+    "/{job_id}/build",
+    response_class=FileResponse,
+    responses={
+        200: {"content": {"application/gzip": {}}, "description": "The build tarball."},
+        409: {"model": ErrorBody},
+    },
+)
+def read_build(job_id: int, session: SessionDep, _: ReadAuth):
+    """Download the build of the best config (tar.gz); `X-Checksum-Sha256` carries its sha256."""
+    job = _get_job(session, job_id)
+    build = session.scalar(select(Build).where(Build.job_id == job_id).order_by(Build.id.desc()).limit(1))
+    if build is None:
+        if job.state not in FINAL_STATES:
+            raise ApiError(
+                409,
+                f"build not ready: job {job_id} is {job.state}; it is built when the job succeeds",
+                [("id", job.state)],
+            )
+        reason = job.error or "no trial completed, or the build failed"
+        raise ApiError(404, f"job {job_id} has no build ({job.state}: {reason})", [("id", "no build")])
+    path = Path(build.path)
+    if not path.is_file():
+        raise ApiError(
+            404, f"build file of job {job_id} is missing from the artifact store", [("id", str(path))]
+        )
+    return FileResponse(
+        path,
+        media_type="application/gzip",
+        filename=path.name,
+        headers={"X-Checksum-Sha256": build.sha256},
+    )

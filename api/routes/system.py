@@ -1,0 +1,116 @@
+"""Service endpoints: liveness, readiness (database and executor reachable), Prometheus metrics,
+and the search spaces a recipe can name."""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlparse
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+from sqlalchemy import func, select, text
+
+from api import trials as trial_store
+from api.deps import ReadAuth, SessionDep, SettingsDep
+from api.schemas import ErrorBody, SearchSpacePublic
+from api.settings import Settings
+from tuner.db import JOB_STATES, Job
+
+router = APIRouter(tags=["service"])
+
+# Trial duration buckets (seconds): a tiny CPU trial takes seconds, a large GPU one minutes.
+_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+@router.get("/healthz")
+def read_health():
+    """The process is up (no dependencies checked)."""
+    return {"status": "ok"}
+
+
+def _executor_reachable(settings: Settings) -> tuple[bool, str]:
+    if settings.executor == "local":
+        return True, "local executor"
+    if not settings.ray_address or settings.ray_address == "auto":
+        return True, "local Ray (started by the worker)"
+    parsed = urlparse(
+        settings.ray_address if "://" in settings.ray_address else f"ray://{settings.ray_address}"
+    )
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or (10001 if parsed.scheme == "ray" else 6379)
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError as err:
+        return False, f"Ray at {host}:{port} unreachable ({err.strerror or err}); check RAY_ADDRESS"
+    return True, f"Ray at {host}:{port}"
+
+
+@router.get("/readyz", responses={503: {"description": "Not ready; `checks` says why."}})
+def read_ready(session: SessionDep, settings: SettingsDep):
+    """Ready to serve: the database answers with the current schema, and the executor is reachable."""
+    from tuner.migrations import head_revision
+
+    checks: dict[str, dict[str, object]] = {}
+    try:
+        session.execute(text("SELECT 1"))
+        from tuner.migrations import VERSION_TABLE
+
+        rev = session.scalar(text(f"SELECT version_num FROM {VERSION_TABLE}"))
+        ok = rev == head_revision()
+        checks["database"] = {
+            "ok": ok,
+            "detail": "schema current" if ok else f"schema at {rev}; run `tuner db upgrade`",
+        }
+    except Exception as err:  # noqa: BLE001 - any failure means "not ready", reported as data
+        session.rollback()
+        checks["database"] = {"ok": False, "detail": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+    ok, detail = _executor_reachable(settings)
+    checks["executor"] = {"ok": ok, "detail": detail}
+    ready = all(c["ok"] for c in checks.values())
+    return JSONResponse(
+        {"status": "ready" if ready else "not ready", "checks": checks}, 200 if ready else 503
+    )
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+def read_metrics(session: SessionDep):
+    """Prometheus text format: jobs by state, trials by status, trial durations."""
+    by_state = dict(session.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+    lines = ["# HELP tuner_jobs Jobs by state.", "# TYPE tuner_jobs gauge"]
+    lines += [f'tuner_jobs{{state="{s}"}} {by_state.get(s, 0)}' for s in JOB_STATES]
+    try:
+        counts, durations = trial_store.trial_counts_and_durations(session)
+    except Exception:  # noqa: BLE001 - no study has run yet, so Optuna's tables do not exist
+        session.rollback()
+        counts, durations = {}, []
+    lines += ["# HELP tuner_trials Trials by measured status (or Optuna state).", "# TYPE tuner_trials gauge"]
+    lines += [f'tuner_trials{{status="{k}"}} {n}' for k, n in sorted(counts.items())]
+    lines += [
+        "# HELP tuner_trial_duration_seconds Wall time of finished trials.",
+        "# TYPE tuner_trial_duration_seconds histogram",
+    ]
+    for b in _BUCKETS:
+        lines.append(f'tuner_trial_duration_seconds_bucket{{le="{b}"}} {sum(1 for d in durations if d <= b)}')
+    lines.append(f'tuner_trial_duration_seconds_bucket{{le="+Inf"}} {len(durations)}')
+    lines.append(f"tuner_trial_duration_seconds_sum {sum(durations):.6f}")
+    lines.append(f"tuner_trial_duration_seconds_count {len(durations)}")
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+@router.get(
+    "/v1/search-spaces",
+    response_model=list[SearchSpacePublic],
+    responses={s: {"model": ErrorBody} for s in (401, 403)},
+)
+def read_search_spaces(_: ReadAuth):
+    """The search spaces a recipe can name in `search.space`, with each knob's domain."""
+    from tuner.space import SpaceError, available_spaces, load_space
+
+    out = []
+    for name in available_spaces():
+        try:
+            space = load_space(name)
+        except SpaceError:
+            continue  # a broken file is the operator's to fix; the others stay usable
+        knobs = {k: ("divisors" if v is None else list(v)) for k, v in space.domains.items()}
+        out.append(SearchSpacePublic(name=name, family=space.family, knobs=knobs))
+    return out

@@ -1,0 +1,119 @@
+"""Request and response shapes of the REST API, kept apart from the database tables."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from tuner.db import Job
+
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+class FieldError(BaseModel):
+    field: str = Field(description="Dotted path of the offending field, e.g. search.trials.")
+    message: str
+
+
+class ErrorBody(BaseModel):
+    detail: str
+    errors: list[FieldError] = []
+
+
+def _utc(value: dt.datetime | None) -> dt.datetime | None:
+    return value.replace(tzinfo=dt.timezone.utc) if value is not None else None
+
+
+class JobPublic(BaseModel):
+    id: int
+    name: str
+    state: JobState
+    recipe_hash: str
+    study_name: str | None
+    trials_done: int
+    trials_total: int
+    best_tokens_per_s: float | None
+    baseline_tokens_per_s: float | None = Field(description="Throughput of the default config.")
+    speedup: float | None = Field(description="best_tokens_per_s / baseline_tokens_per_s.")
+    error: str | None
+    cancel_requested: bool
+    attempts: int
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    updated_at: dt.datetime
+    recipe: dict[str, Any]
+    links: dict[str, str]
+
+    @classmethod
+    def from_row(cls, job: Job) -> JobPublic:
+        base = f"/v1/jobs/{job.id}"
+        return cls(
+            id=job.id,
+            name=job.recipe_name,
+            state=job.state,
+            recipe_hash=job.recipe_hash,
+            study_name=job.study_name,
+            trials_done=job.trials_done,
+            trials_total=job.trials_total,
+            best_tokens_per_s=job.best_tokens_per_s,
+            baseline_tokens_per_s=job.baseline_tokens_per_s,
+            speedup=job.speedup,
+            error=job.error,
+            cancel_requested=job.cancel_requested,
+            attempts=job.attempts,
+            created_at=_utc(job.created_at),
+            started_at=_utc(job.started_at),
+            finished_at=_utc(job.finished_at),
+            updated_at=_utc(job.updated_at),
+            recipe=job.recipe,
+            links={
+                "self": base,
+                "events": f"{base}/events",
+                "trials": f"{base}/trials",
+                "best": f"{base}/best",
+                "build": f"{base}/build",
+                "cancel": f"{base}/cancel",
+            },
+        )
+
+
+class JobPage(BaseModel):
+    items: list[JobPublic]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null at the end.")
+
+
+class TrialPublic(BaseModel):
+    number: int
+    state: str = Field(description="Optuna state: running, complete, pruned, fail, waiting.")
+    status: str | None = Field(description="Measured status: ok, oom, error, timeout, pruned.")
+    tokens_per_s: float | None
+    config: dict[str, Any]
+    result: dict[str, Any]
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    duration_s: float | None
+
+
+class TrialPage(BaseModel):
+    items: list[TrialPublic]
+    total: int = Field(description="Trials matching the filter.")
+    next_cursor: str | None
+
+
+class BestPublic(BaseModel):
+    job_id: int
+    study_name: str
+    trial: TrialPublic
+    baseline_tokens_per_s: float | None
+    speedup: float | None
+
+
+class SearchSpacePublic(BaseModel):
+    name: str
+    family: str
+    knobs: dict[str, Any] = Field(
+        description='Each knob\'s values; "divisors" = every divisor of the devices.'
+    )
