@@ -1,0 +1,155 @@
+"""Apply a config's knobs to a (stage of the) model with torch's own mechanisms.
+
+`apply_all` is the contract: pipeline split, tensor parallel, recompute, offload, compile, data
+parallel, in that order. Each step needs the module the previous one left:
+- the pipeline split comes first so every later step only touches the layers this rank owns;
+- tensor parallel must see the plain `nn.Linear`s (before any wrapper) and must turn weights
+  into DTensors before DDP/FSDP register their hooks on them;
+- recompute and offload wrap whole blocks (or attention) so they act on the TP-sharded compute;
+- compile runs per block after the wrappers so checkpointing is traced into the compiled graph,
+  and before data parallelism so gradient communication stays outside compiled regions;
+- data parallelism is last: DDP buckets and FSDP shards the final set of parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
+
+from tuner.config import Config
+from tuner.workload.model import GPT
+from tuner.workload.parallel import ParallelDims
+
+
+class Checkpointed(nn.Module):
+    """Keeps only the wrapped module's inputs for backward and recomputes the rest."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, *args, use_reentrant=False)
+
+
+class Offloaded(nn.Module):
+    """Moves the tensors the wrapped module saves for backward to host memory."""
+
+    def __init__(self, inner: nn.Module, pin_memory: bool):
+        super().__init__()
+        self.inner = inner
+        self.pin_memory = pin_memory
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
+            return self.inner(*args)
+
+
+def apply_pipeline_split(model: GPT, dims: ParallelDims, pp_rank: int) -> GPT:
+    if dims.pp_enabled:
+        model.keep_stage(pp_rank, dims.pp)
+    return model
+
+
+def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style split: column-wise qkv and MLP up, row-wise attention out and MLP down,
+    so each block needs one all-reduce in attention and one in the MLP. Each rank computes
+    heads/tp heads (the qkv layout in `model.Attention` keeps heads whole)."""
+    plan = {
+        "attn.qkv": ColwiseParallel(),
+        "attn.out": RowwiseParallel(),
+        "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, plan)
+
+
+def apply_recompute(model: GPT, mode: str) -> None:
+    """selective: checkpoint attention only; full: checkpoint every block."""
+    for name, block in list(model.layers.items()):
+        if mode == "full":
+            model.layers[name] = Checkpointed(block)
+        elif mode == "selective":
+            block.attn = Checkpointed(block.attn)
+
+
+def apply_offload(model: GPT, pin_memory: bool) -> None:
+    for name, block in list(model.layers.items()):
+        model.layers[name] = Offloaded(block, pin_memory)
+
+
+def apply_compile(model: GPT, mode: str) -> None:
+    # Per block: every block has the same graph, so Inductor compiles it once and reuses it.
+    for block in model.layers.values():
+        block.compile(mode=mode)
+
+
+def apply_ddp(model: nn.Module, dims: ParallelDims, config: Config, device: torch.device) -> nn.Module:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    if dims.tp_enabled:
+        # DDP cannot bucket DTensors; this swaps them for their local shards and back.
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(model)
+    group = dims.mesh["dp"].get_group()
+    ddp = DistributedDataParallel(
+        model,
+        process_group=group,
+        bucket_cap_mb=config.bucket_mb,
+        device_ids=[device.index] if device.type != "cpu" else None,
+    )
+    if config.grad_compression == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif config.grad_compression == "bf16":
+        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    elif config.grad_compression == "powersgd":
+        # start_powerSGD_iter=2: compress from the first steps, a short trial must measure it.
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
+
+
+def apply_fsdp(model: GPT, dims: ParallelDims, param_dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2: shard each block, then the rest. With amp=O2 the sharded fp32 parameters are the
+    master weights and FSDP gathers them in `param_dtype` for compute."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mesh = dims.mesh["dp"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def apply_all(
+    model: GPT,
+    config: Config,
+    dims: ParallelDims,
+    pp_rank: int,
+    device: torch.device,
+    fsdp_param_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Every knob, in the order the module docstring explains. Returns the module to train."""
+    apply_pipeline_split(model, dims, pp_rank)
+    if dims.tp_enabled:
+        apply_tp(model, dims.mesh["tp"])
+    if config.recompute != "none":
+        apply_recompute(model, config.recompute)
+    if config.offload:
+        apply_offload(model, config.pin_memory)
+    if config.compile != "none":
+        apply_compile(model, config.compile)
+    if not dims.dp_enabled:
+        return model
+    if config.dp_shard == "fsdp":
+        return apply_fsdp(model, dims, fsdp_param_dtype)
+    return apply_ddp(model, dims, config, device)
