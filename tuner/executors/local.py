@@ -44,11 +44,13 @@ def run_trial(
     env: dict[str, str] | None = None,
     cpus: list[int] | None = None,
     stop: threading.Event | None = None,
+    module: str | None = None,
 ) -> TrialResult:
     """Run one trial to completion and classify it; never raises because the trial failed.
 
     `env` adds environment variables for the ranks; `cpus` pins every rank to those cores;
-    setting `stop` ends the trial early (status error, error_kind "cancelled").
+    setting `stop` ends the trial early (status error, error_kind "cancelled"); `module` is what
+    each rank runs instead of RANK_MODULE (the build runs `tuner.workload.build_rank`).
     """
     workdir = Path(spec.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +60,7 @@ def run_trial(
     spec_path.write_text(json.dumps(spec.to_dict(), indent=1))
     log_path = workdir / "trial.log"
 
-    cmd = [sys.executable, "-m", "tuner.executors.local", str(spec_path), str(_world_size(spec)), RANK_MODULE]
+    cmd = [sys.executable, "-m", "tuner.executors.local", str(spec_path), str(_world_size(spec)), module or RANK_MODULE]
     if cpus:
         cmd += ["--cpus", ",".join(str(c) for c in cpus)]
     child_env = {**os.environ, **(env or {})}
