@@ -1,0 +1,57 @@
+"""`tuner db upgrade`: bring the service's tables up to date (the API also does this at startup)."""
+
+from __future__ import annotations
+
+import typer
+
+from tuner.cli.common import fail
+
+db_app = typer.Typer(
+    help="The service database (TUNER_DATABASE_URL, default sqlite:///tuner.db).", no_args_is_help=True
+)
+
+
+@db_app.command("upgrade")
+def upgrade_cmd(
+    database_url: str = typer.Option(
+        None, "--database-url", envvar="TUNER_DATABASE_URL", help="Database URL."
+    ),
+) -> None:
+    """Create or migrate the service's tables (jobs, builds, tokens, nightly results)."""
+    from tuner.db import DatabaseError
+    from tuner.db import database_url as default_url
+    from tuner.migrations import upgrade
+
+    url = database_url or default_url()
+    try:
+        before, after = upgrade(url)
+    except DatabaseError as err:
+        fail(str(err))
+    typer.echo(
+        f"database schema: {before or 'empty'} -> {after}"
+        if before != after
+        else f"database schema: {after} (current)"
+    )
+
+
+@db_app.command("current")
+def current_cmd(
+    database_url: str = typer.Option(
+        None, "--database-url", envvar="TUNER_DATABASE_URL", help="Database URL."
+    ),
+) -> None:
+    """Show the schema revision and whether it is current."""
+    from sqlalchemy import exc
+
+    from tuner.migrations import current_revision, head_revision
+
+    try:
+        rev = current_revision(database_url)
+    except exc.OperationalError as err:
+        fail(f"cannot read the database: {err.orig}; check TUNER_DATABASE_URL")
+    head = head_revision()
+    typer.echo(f"{rev or 'empty'} ({'current' if rev == head else f'behind {head}; run `tuner db upgrade`'})")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(db_app, name="db")
