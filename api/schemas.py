@@ -106,9 +106,15 @@ class TrialPage(BaseModel):
 class BestPublic(BaseModel):
     job_id: int
     study_name: str
-    trial: TrialPublic
+    trial: int = Field(description="Trial number of the winner.")
+    config: dict[str, Any] = Field(description="The winning knob setting (knobs that apply).")
+    tokens_per_s: float = Field(description="Median over the trial and its re-measurements.")
+    metrics: dict[str, Any] = Field(description="The winner's measured result keys.")
+    noise: float | None = None
     baseline_tokens_per_s: float | None
-    speedup: float | None
+    speedup: float | None = Field(description="Best over the default config's throughput.")
+    tie: bool = Field(False, description="The runner-up is within measurement noise.")
+    counts: dict[str, int] = Field(default_factory=dict, description="Trials by status.")
 
 
 class SearchSpacePublic(BaseModel):

@@ -103,12 +103,6 @@ def read_trials(
     return _hydrate(session, rows), total
 
 
-def best_trial(session: Session, study_name: str) -> TrialPublic | None:
-    """The completed trial with the highest throughput."""
-    items, _ = read_trials(session, study_name, limit=1, status="complete", sort="-tokens_per_s")
-    return items[0] if items and items[0].tokens_per_s is not None else None
-
-
 @lru_cache(maxsize=1024)
 def _external(distribution_json: str, value: float) -> Any:
     from optuna.distributions import json_to_distribution

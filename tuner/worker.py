@@ -232,6 +232,9 @@ class JobRun:
 
     def _on_progress(self, event: dict[str, Any]) -> None:
         kind = str(event.get("event", "progress"))
+        if kind == "done":
+            # The job's own `done` comes after the build; SSE clients stop at the first `done`.
+            kind = "study_done"
         payload = {k: v for k, v in event.items() if k != "event"}
         with session_scope(self.url) as s:
             job = s.get(Job, self.job_id)

@@ -218,21 +218,31 @@ def read_trials(
 
 
 @router.get("/{job_id}/best", response_model=BestPublic)
-def read_best(job_id: int, session: SessionDep, _: ReadAuth):
-    """The fastest completed trial so far: its config and its measurements."""
+def read_best(job_id: int, session: SessionDep, settings: SettingsDep, _: ReadAuth):
+    """The winner so far: fastest completed config (re-measured, loss checked against fp32)."""
     job = _get_job(session, job_id)
-    best = trial_store.best_trial(session, job.study_name) if job.study_name else None
-    if best is None:
+    summary = None
+    if job.study_name and trial_store.study_id(session, job.study_name) is not None:
+        from tuner.summary import summarize
+
+        summary = summarize(job.study_name, settings.database_url)
+    if summary is None or summary.best is None:
         raise ApiError(
             404, f"job {job_id} has no completed trial yet (state: {job.state})", [("id", "no best yet")]
         )
-    speedup = best.tokens_per_s / job.baseline_tokens_per_s if job.baseline_tokens_per_s else None
+    best = summary.best
     return BestPublic(
         job_id=job.id,
         study_name=job.study_name,
-        trial=best,
-        baseline_tokens_per_s=job.baseline_tokens_per_s,
-        speedup=speedup,
+        trial=best["trial"],
+        config=best["config"],
+        tokens_per_s=best["tokens_per_s"],
+        metrics=best.get("metrics") or {},
+        noise=best.get("noise"),
+        baseline_tokens_per_s=(summary.baseline or {}).get("tokens_per_s"),
+        speedup=summary.speedup,
+        tie=summary.tie,
+        counts=summary.counts,
     )
 
 
