@@ -247,6 +247,7 @@ def warm_start_configs(
 def _top_configs(study_name: str, storage_url: str | None, k: int) -> list[dict[str, Any]]:
     import optuna
 
+    from tuner.space import config_from_params
     from tuner.storage import get_storage
 
     try:
@@ -256,10 +257,10 @@ def _top_configs(study_name: str, storage_url: str | None, k: int) -> list[dict[
     ok = [
         t
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        if t.user_attrs.get("status") == "ok" and t.user_attrs.get("tokens_per_s")
+        if t.user_attrs.get("tokens_per_s")
     ]
     ok.sort(key=lambda t: t.user_attrs["tokens_per_s"], reverse=True)
-    return [dict(t.params) for t in ok[:k]]
+    return [config_from_params(t.params).active_params() for t in ok[:k]]
 
 
 def _dedupe(configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -428,3 +429,187 @@ def write_report(
     }
     js.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return md, js
+
+
+def local_fingerprint_hash(recipe: Recipe) -> str:
+    from tuner.devices import resolve_family
+    from tuner.fingerprint import fingerprint, fingerprint_hash
+
+    return fingerprint_hash(fingerprint(resolve_family(recipe.hardware.device)))
+
+
+def nightly_study_name(recipe: Recipe, fp: dict[str, Any], night: dt.date) -> str:
+    """Tonight's own study: sharing the recipe's main study would let last night's numbers win
+    again tonight and hide a regression; the warm start carries the knowledge over instead."""
+    from tuner.study import study_name
+
+    return f"{study_name(recipe, fp)}-nightly-{night.isoformat()}"
+
+
+def local_tuner(
+    *,
+    night: dt.date,
+    trials: int,
+    executor: str = "local",
+    storage_url: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Tune:
+    """Tune on this machine (or its Ray cluster) with `tuner.study.run_study`."""
+
+    def tune(recipe: Recipe, enqueue: list[dict[str, Any]]) -> Tonight:
+        from tuner.devices import resolve_family
+        from tuner.executors import make_executor
+        from tuner.fingerprint import fingerprint, fingerprint_hash
+        from tuner.space import config_from_params
+        from tuner.study import run_study
+
+        fp = fingerprint(resolve_family(recipe.hardware.device))
+        name = nightly_study_name(recipe, fp, night)
+        configs = [config_from_params(c) for c in enqueue]
+        with make_executor(executor) as ex:
+            summary = run_study(
+                recipe,
+                storage_url=storage_url,
+                executor=ex,
+                trials=trials,
+                enqueue=configs,
+                study_name=name,
+                progress=_study_progress(progress, trials),
+            )
+        best = summary.best
+        return Tonight(
+            best_tokens_per_s=best["tokens_per_s"] if best else None,
+            config=best["config"] if best else None,
+            fingerprint=fp,
+            fingerprint_hash=fingerprint_hash(fp),
+            study_name=summary.study_name,
+            trials=summary.n_trials,
+            remeasured_previous_tokens_per_s=_measured(summary.study_name, storage_url, enqueue[:1]),
+            warm_started=len(configs),
+            error=None if best else f"no trial succeeded ({_counts(summary.counts)})",
+        )
+
+    return tune
+
+
+def _study_progress(progress: Callable[[int, int], None] | None, trials: int):
+    if progress is None:
+        return None
+
+    def on_event(*args: Any, **kwargs: Any) -> None:
+        done = kwargs.get("done", args[0] if args and isinstance(args[0], int) else None)
+        if done is not None:
+            progress(done, trials)
+
+    return on_event
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {status}" for status, n in counts.items()) or "no trials ran"
+
+
+def _measured(study_name: str, storage_url: str | None, configs: list[dict[str, Any]]) -> float | None:
+    """Tonight's tokens/s of the first of `configs` (last night's best), if it ran."""
+    if not configs:
+        return None
+    import optuna
+
+    from tuner.space import config_from_params
+    from tuner.storage import get_storage
+
+    want = config_from_params(configs[0]).key()
+    study = optuna.load_study(study_name=study_name, storage=get_storage(storage_url))
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        if t.user_attrs.get("tokens_per_s") and config_from_params(t.params).key() == want:
+            return t.user_attrs["tokens_per_s"]
+    return None
+
+
+class ServiceError(RuntimeError):
+    """The tuning service refused a request or could not be reached."""
+
+
+def api_tuner(
+    base_url: str,
+    token: str,
+    *,
+    trials: int,
+    storage_url: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    poll_s: float = 2.0,
+) -> Tune:
+    """Tune through the REST service: submit the recipe with tonight's budget, follow the job.
+
+    The job API takes a recipe and nothing else, so the warm-start configs cannot be passed: the
+    service's study for this recipe and fingerprint carries its own history instead.
+    """
+
+    def tune(recipe: Recipe, enqueue: list[dict[str, Any]]) -> Tonight:
+        import time
+
+        import httpx
+
+        doc = recipe.to_dict()
+        doc["search"]["trials"] = trials
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=30) as client:
+            job = _call(client, "POST", "/v1/jobs", json=doc)
+            while job["state"] not in ("succeeded", "failed", "cancelled"):
+                if progress:
+                    progress(job["trials_done"], job["trials_total"])
+                time.sleep(poll_s)
+                job = _call(client, "GET", f"/v1/jobs/{job['id']}")
+            fp = _study_fingerprint(job.get("study_name"), storage_url)
+            tonight = Tonight(None, None, fp, _hash(fp), study_name=job.get("study_name"), job_id=job["id"])
+            tonight.trials = job["trials_done"]
+            if job["state"] != "succeeded":
+                tonight.error = job.get("error") or f"job {job['id']} {job['state']}"
+                return tonight
+            best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")["trial"]
+            tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
+            return tonight
+
+    return tune
+
+
+def _call(client: Any, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    import httpx
+
+    try:
+        resp = client.request(method, path, **kwargs)
+    except httpx.HTTPError as err:
+        raise ServiceError(f"--api {client.base_url}: cannot reach the service ({err})") from None
+    if resp.status_code >= 400:
+        try:
+            body = resp.json()
+            detail = body.get("detail", "")
+            fields = "; ".join(f"{e['field']}: {e['message']}" for e in body.get("errors", []))
+        except ValueError:
+            detail, fields = resp.text[:200], ""
+        hint = " (check --token / $TUNER_API_TOKEN)" if resp.status_code in (401, 403) else ""
+        raise ServiceError(f"{method} {path}: HTTP {resp.status_code} {detail}{hint} {fields}".strip())
+    return resp.json()
+
+
+def _study_fingerprint(study_name: str | None, storage_url: str | None) -> dict[str, Any]:
+    """The fingerprint the service's worker stored with its study (same database), or {}."""
+    if not study_name:
+        return {}
+    import optuna
+
+    from tuner.storage import get_storage
+
+    try:
+        study = optuna.load_study(study_name=study_name, storage=get_storage(storage_url))
+    except (KeyError, ValueError):
+        return {}
+    fp = study.user_attrs.get("fingerprint")
+    return fp if isinstance(fp, dict) else {}
+
+
+def _hash(fp: dict[str, Any]) -> str:
+    if not fp:
+        return ""
+    from tuner.fingerprint import fingerprint_hash
+
+    return fingerprint_hash(fp)

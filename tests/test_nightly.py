@@ -1,0 +1,184 @@
+"""Nightly logic that needs no trial: thresholds, verdicts, the history table (real SQLite, real
+migrations), which night is compared with which, the report, and bad input (exit 2)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tuner import nightly as nl
+from tuner.cli.main import app
+from tuner.recipe import recipe_from_dict
+
+RECIPE = recipe_from_dict(
+    {"name": "gpt-nightly", "model": {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256}}
+)
+NIGHT1, NIGHT2, NIGHT3 = dt.date(2026, 11, 27), dt.date(2026, 11, 28), dt.date(2026, 11, 29)
+FP_A = {"device": "cpu-a", "torch": "2.12.0"}
+FP_B = {"device": "cpu-a", "torch": "2.13.0"}
+
+
+@pytest.fixture
+def db_url(tmp_path):
+    from tuner.migrations import upgrade
+
+    url = f"sqlite:///{tmp_path}/nightly.db"
+    upgrade(url)
+    return url
+
+
+def fixed(tokens_per_s: float | None, fp: dict, mbs: int = 4, error: str | None = None):
+    """A stand-in for tonight's tuning (the end-to-end test runs the real one)."""
+    seen: list[list[dict]] = []
+
+    def tune(recipe, enqueue):
+        seen.append(enqueue)
+        config = {"micro_batch_size": mbs, "dp": 1} if tokens_per_s else None
+        return nl.Tonight(tokens_per_s, config, fp, fp_hash(fp), error=error)
+
+    tune.seen = seen
+    return tune
+
+
+def fp_hash(fp: dict) -> str:
+    return f"{fp['device']}/{fp['torch']}"
+
+
+def run(db_url, night, tune, threshold=0.05):
+    expected = fp_hash(FP_A)
+    return nl.run_recipe(
+        RECIPE,
+        "r.yaml",
+        night=night,
+        threshold=threshold,
+        tune=tune,
+        expected_fingerprint_hash=expected,
+        db_url=db_url,
+    )
+
+
+@pytest.mark.parametrize("text,value", [("5%", 0.05), ("0.05", 0.05), (" 12.5% ", 0.125), ("0", 0.0)])
+def test_threshold_accepts_percent_or_fraction(text, value):
+    assert nl.parse_threshold(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["five", "5%%", "150%", "-1%"])
+def test_bad_threshold_names_the_option(text):
+    with pytest.raises(nl.NightlyError, match="--fail-on-regression"):
+        nl.parse_threshold(text)
+
+
+def test_verdicts_use_the_threshold_both_ways():
+    assert nl.judge(None, 100.0, 0.05) == ("failed", None)
+    assert nl.judge(100.0, None, 0.05) == ("first_run", None)
+    assert nl.judge(90.0, 100.0, 0.05) == ("regressed", pytest.approx(-10.0))
+    assert nl.judge(97.0, 100.0, 0.05)[0] == "unchanged"
+    assert nl.judge(110.0, 100.0, 0.05)[0] == "improved"
+    assert nl.judge(97.0, 100.0, 0.02)[0] == "regressed"
+
+
+def test_history_one_row_per_night_and_rerun_replaces_it(db_url):
+    from sqlalchemy import select
+
+    from tuner.db import NightlyResult, session_scope
+
+    first = run(db_url, NIGHT1, fixed(1000.0, FP_A))
+    assert first.verdict == "first_run"
+    run(db_url, NIGHT2, fixed(700.0, FP_A))
+    again = run(db_url, NIGHT2, fixed(990.0, FP_A))  # the same night, re-run: replaces
+    assert (again.verdict, round(again.change_pct, 1)) == ("unchanged", -1.0)
+    with session_scope(db_url) as s:
+        rows = s.scalars(select(NightlyResult).order_by(NightlyResult.night)).all()
+        assert [(r.night, r.best_tokens_per_s, r.verdict) for r in rows] == [
+            (NIGHT1, 1000.0, "first_run"),
+            (NIGHT2, 990.0, "unchanged"),
+        ]
+        assert rows[1].previous_best_tokens_per_s == 1000.0
+        assert rows[1].config == {"micro_batch_size": 4, "dp": 1}
+
+
+def test_warm_start_is_last_nights_best_and_regression_fails_the_run(db_url):
+    run(db_url, NIGHT1, fixed(1000.0, FP_A, mbs=8))
+    tune = fixed(800.0, FP_A)
+    out = run(db_url, NIGHT2, tune)
+    assert tune.seen == [[{"micro_batch_size": 8, "dp": 1}]]
+    assert (out.verdict, out.previous_night, round(out.change_pct)) == ("regressed", NIGHT1, -20)
+    assert nl.exit_code([out]) == 1
+
+
+def test_changed_fingerprint_is_reported_and_compared_anyway(db_url):
+    run(db_url, NIGHT1, fixed(1000.0, FP_A))
+    out = run(db_url, NIGHT2, fixed(1200.0, FP_B))
+    assert out.fingerprint_changed and out.verdict == "improved"
+    assert out.fingerprint_changes == {"torch": ["2.12.0", "2.13.0"]}
+    # The next night on B compares with B's own history, not with A's.
+    out3 = run(db_url, NIGHT3, fixed(1190.0, FP_B))
+    assert (out3.previous_night, out3.fingerprint_changed, out3.verdict) == (NIGHT2, False, "unchanged")
+
+
+def test_a_crash_is_a_failed_recipe_not_a_traceback(db_url):
+    def boom(recipe, enqueue):
+        raise RuntimeError("ray cluster unreachable")
+
+    out = run(db_url, NIGHT1, boom)
+    assert out.verdict == "failed" and "ray cluster unreachable" in out.error
+    assert nl.exit_code([out]) == 1
+
+
+def test_report_files_show_the_verdict_and_both_configs(db_url, tmp_path):
+    run(db_url, NIGHT1, fixed(1000.0, FP_A, mbs=8))
+    out = run(db_url, NIGHT2, fixed(800.0, FP_B, mbs=4))
+    md_path, json_path = nl.write_report([out], tmp_path / "rep", NIGHT2, 0.05)
+    md = md_path.read_text()
+    assert "**REGRESSED**" in md and "-20.0%" in md and "1,000 (2026-11-27)" in md
+    assert "| micro_batch_size | 8 | **4** |" in md
+    assert "torch: 2.12.0 -> 2.13.0" in md
+    doc = json.loads(json_path.read_text())
+    assert doc["exit_code"] == 1 and doc["verdicts"]["regressed"] == ["gpt-nightly"]
+    assert doc["recipes"][0]["previous_config"] == {"micro_batch_size": 8, "dp": 1}
+
+
+def test_seconds_until_next_daily_start():
+    now = dt.datetime(2026, 11, 29, 1, 30)
+    assert nl.seconds_until("02:00", now) == 30 * 60
+    assert nl.seconds_until("01:00", now) == 23.5 * 3600
+    with pytest.raises(nl.NightlyError, match="--daily-at"):
+        nl.seconds_until("25:00", now)
+
+
+def invoke(args, **kw):
+    """Run the CLI; the output with rich's line wrapping undone."""
+    result = CliRunner().invoke(app, args, **kw)
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_bad_input_exits_2_with_the_fix(tmp_path):
+    missing, missing_out = invoke(["nightly", str(tmp_path / "nope"), "--local"])
+    assert missing == 2 and "no such folder" in missing_out
+
+    (tmp_path / "a.yaml").write_text(
+        "name: a\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64, x: 1}\n"
+    )
+    bad, bad_out = invoke(["nightly", str(tmp_path), "--local"])
+    assert bad == 2 and "a.yaml: model.x: unknown field" in bad_out
+
+    (tmp_path / "a.yaml").write_text(
+        "name: a\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
+    )
+    threshold, threshold_out = invoke(["nightly", str(tmp_path), "--fail-on-regression", "lots"])
+    assert threshold == 2 and "--fail-on-regression 'lots'" in threshold_out
+    night, night_out = invoke(["nightly", str(tmp_path), "--night", "yesterday"])
+    assert night == 2 and "YYYY-MM-DD" in night_out
+    no_token, no_token_out = invoke(
+        ["nightly", str(tmp_path), "--api", "http://x:8000"], env={"TUNER_API_TOKEN": ""}
+    )
+    assert no_token == 2 and "--token" in no_token_out
+
+    (tmp_path / "b.yaml").write_text(
+        "name: a\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
+    )
+    dup, dup_out = invoke(["nightly", str(tmp_path)])
+    assert dup == 2 and "names must be unique" in dup_out

@@ -1,0 +1,170 @@
+"""`tuner nightly`: re-tune a folder of registered recipes, warm-started from last night's best,
+and fail loudly (exit 1) when the best throughput regressed."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from pathlib import Path
+
+import typer
+
+from tuner.cli.common import err_console, fail
+
+EPILOG = (
+    "Exit codes: 0 all recipes fine; 1 a recipe regressed by more than --fail-on-regression, or failed; "
+    "2 bad input.\n\n"
+    "Example crontab line (02:00 every night, mail on failure):\n\n"
+    "0 2 * * * cd /srv/tuner && .venv/bin/tuner nightly recipes/nightly/ --local --report reports/"
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(epilog=EPILOG)(nightly)
+
+
+def nightly(
+    recipes: Path = typer.Argument(
+        ..., help="Folder of recipe files (*.yaml, *.yml, *.json) to re-tune, or one recipe file."
+    ),
+    local: bool = typer.Option(False, "--local", help="Tune on this machine (the default without --api)."),
+    api: str | None = typer.Option(
+        None, "--api", metavar="URL", help="Submit each recipe to the tuning service at URL instead."
+    ),
+    token: str | None = typer.Option(
+        None, "--token", envvar="TUNER_API_TOKEN", help="API token for --api (from `tuner token create`)."
+    ),
+    trials: int = typer.Option(
+        8, "--trials", min=1, help="Trials per recipe tonight; the warm-start configs are the first of them."
+    ),
+    fail_on_regression: str = typer.Option(
+        "5%",
+        "--fail-on-regression",
+        metavar="PCT",
+        help="Exit 1 when a recipe's best tokens/s dropped by more than this: '5%' or '0.05'.",
+    ),
+    report: Path = typer.Option(
+        Path("nightly-reports"), "--report", metavar="DIR", help="Where nightly-<date>.md and .json go."
+    ),
+    night: str | None = typer.Option(
+        None,
+        "--night",
+        metavar="YYYY-MM-DD",
+        help="Record this run under that night (default: today). Re-running a night replaces its "
+        "results; an earlier date stands in for a previous night (tests, back-fills).",
+    ),
+    top_k: int = typer.Option(
+        3, "--top-k", min=1, help="How many of the previous night's best configs to measure first."
+    ),
+    executor: str = typer.Option("local", "--executor", help="With --local: run trials as local or ray."),
+    storage: str | None = typer.Option(
+        None,
+        "--storage",
+        metavar="URL",
+        help="Database for the nightly history (and, with --local, the studies). "
+        "Default: $TUNER_DATABASE_URL, else sqlite:///tuner.db.",
+    ),
+    daily_at: str | None = typer.Option(
+        None,
+        "--daily-at",
+        metavar="HH:MM",
+        help="Stay running and start a pass every day at this local time (the compose `nightly` service).",
+    ),
+):
+    """Re-tune every recipe in a folder with a small budget, warm-started from the previous night's
+    best configs, and compare the new best tokens/s with the previous night's (same hardware and
+    software fingerprint when there is one; a changed fingerprint is reported and compared anyway).
+
+    Last night's best config is measured again first, so a slower machine or a slower torch shows
+    up as a lower best. Writes a Markdown and a JSON report and one history row per recipe per night.
+    """
+    from tuner import nightly as nl
+    from tuner.db import DatabaseError
+
+    if local and api:
+        fail("--local and --api exclude each other: tune here (--local) or through the service (--api URL)")
+    if api and not token:
+        fail("--api needs --token (or $TUNER_API_TOKEN); create one with `tuner token create --name nightly`")
+    if executor not in ("local", "ray"):
+        fail(f"--executor {executor!r}: use local or ray")
+    try:
+        threshold = nl.parse_threshold(fail_on_regression)
+        tonight = nl.parse_night(night)
+        if daily_at is not None:
+            nl.seconds_until(daily_at, dt.datetime.now())
+        found = nl.find_recipes(recipes)
+    except nl.NightlyError as err:
+        fail(str(err))
+
+    def one_pass(for_night: dt.date) -> int:
+        try:
+            return _run_pass(
+                found, for_night, threshold, report, api=api, token=token, trials=trials,
+                top_k=top_k, executor=executor, storage=storage,
+            )  # fmt: skip
+        except DatabaseError as err:
+            fail(str(err))
+
+    if daily_at is None:
+        raise typer.Exit(one_pass(tonight))
+    while True:  # the compose `nightly` service: a cron without cron
+        wait = nl.seconds_until(daily_at, dt.datetime.now())
+        err_console.print(f"next nightly pass at {daily_at} (in {wait / 3600:.1f} h)")
+        time.sleep(wait)
+        try:
+            found = nl.find_recipes(recipes)  # recipes may be edited between nights
+            code = one_pass(dt.date.today())
+        except nl.NightlyError as err:
+            err_console.print(f"[bold red]error:[/] {err}", highlight=False)
+            code = 2
+        except typer.Exit as ex:
+            code = ex.exit_code
+        err_console.print(f"nightly pass finished with exit code {code}")
+
+
+def _run_pass(found, night, threshold, report_dir, *, api, token, trials, top_k, executor, storage) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tuner import nightly as nl
+
+    outcomes = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console) as progress:
+        overall = progress.add_task(f"nightly {night}", total=len(found))
+        for path, recipe in found:
+            task = progress.add_task(f"  {recipe.name}: trials", total=trials)
+
+            def on_trial(done: int, total: int | None = None, _task=task) -> None:
+                progress.update(_task, completed=done, total=total or trials)
+
+            if api:
+                tune = nl.api_tuner(api, token, trials=trials, storage_url=storage, progress=on_trial)
+                expected = None
+            else:
+                tune = nl.local_tuner(
+                    night=night, trials=trials, executor=executor, storage_url=storage, progress=on_trial
+                )
+                expected = nl.local_fingerprint_hash(recipe)
+            outcome = nl.run_recipe(
+                recipe, str(path), night=night, threshold=threshold, tune=tune,
+                expected_fingerprint_hash=expected, db_url=storage, top_k=top_k,
+            )  # fmt: skip
+            outcomes.append(outcome)
+            progress.update(task, description=f"  {recipe.name}: {_line(outcome)}", completed=trials)
+            progress.advance(overall)
+    md, js = nl.write_report(outcomes, report_dir, night, threshold)
+    code = nl.exit_code(outcomes)
+    for o in outcomes:
+        err_console.print(f"{o.recipe}: {_line(o)}", highlight=False)
+    err_console.print(f"report: {md} and {js}; exit code {code}", highlight=False)
+    return code
+
+
+def _line(o) -> str:
+    if o.verdict == "failed":
+        return f"FAILED ({o.error or 'no trial succeeded'})"
+    best = f"{o.best_tokens_per_s:,.0f} tokens/s"
+    if o.change_pct is None:
+        return f"first run, best {best}"
+    fp = ", fingerprint changed" if o.fingerprint_changed else ""
+    return f"{o.verdict.upper() if o.verdict == 'regressed' else o.verdict}, best {best} ({o.change_pct:+.1f}%{fp})"
