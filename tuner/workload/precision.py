@@ -35,11 +35,18 @@ def make_optimizer(
     params: Iterable[torch.Tensor], optimizer: str, lr: float, impl: str
 ) -> torch.optim.Optimizer:
     """`optimizer_impl`: for_loop (one kernel per tensor), foreach (batched), fused (one kernel)."""
+    from torch.distributed.tensor import DTensor
+
     kwargs = {"foreach": impl == "foreach", "fused": impl == "fused"}
     params = list(params)
+    # A foreach/fused kernel cannot mix DTensors (tensor-parallel weights) with plain tensors
+    # (replicated norms, embeddings); one param group each keeps them in separate launches.
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    groups = [{"params": g} for g in (plain, sharded) if g]
     if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, **kwargs)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **kwargs)
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9, **kwargs)
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.0, **kwargs)
 
 
 class MasterWeights:

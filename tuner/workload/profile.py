@@ -1,0 +1,100 @@
+"""Where a step's time goes: a torch.profiler run over a few extra steps, a Chrome trace per rank
+and a breakdown by category (matmul/attention, other compute, communication, optimizer, idle)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.profiler import ProfilerActivity, profile
+
+from tuner.devices import synchronize
+
+CATEGORIES = ("matmul_attention", "other_compute", "communication", "optimizer", "idle")
+
+_MATMUL_ATTENTION = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::matmul",
+    "aten::linear",
+    "scaled_dot_product",
+    "flash_attention",
+    "efficient_attention",
+    "cudnn_attention",
+    "npu_fusion_attention",
+)
+_COMMUNICATION = ("c10d", "gloo", "nccl", "hccl", "allreduce", "all_reduce", "all_gather", "allgather",
+                  "reduce_scatter", "broadcast", "record_param_comms")  # fmt: skip
+
+
+def _under_optimizer(event: Any) -> bool:
+    while event is not None:
+        if event.name == "optimizer":
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def classify(event: Any) -> str:
+    """Category of one profiler event, from its name and whether it ran inside the optimizer."""
+    name = event.name.lower()
+    if any(key in name for key in _COMMUNICATION):
+        return "communication"
+    if _under_optimizer(event):
+        return "optimizer"
+    if any(key in name for key in _MATMUL_ATTENTION):
+        return "matmul_attention"
+    return "other_compute"
+
+
+def breakdown(events: list[Any], wall_s: float, steps: int, on_device: bool) -> dict[str, Any]:
+    """Seconds per step and fractions by category. idle = wall - busy: time nothing of this rank
+    ran (waiting for a peer, the data loader, the host)."""
+    busy = dict.fromkeys(CATEGORIES[:-1], 0.0)
+    for ev in events:
+        us = ev.self_device_time_total if on_device else ev.self_cpu_time_total
+        busy[classify(ev)] += us / 1e6
+    seconds = {k: v / steps for k, v in busy.items()}
+    per_step_wall = wall_s / steps
+    seconds["idle"] = max(0.0, per_step_wall - sum(seconds.values()))
+    # Several host threads can overlap, so busy time may exceed the wall; fractions of the sum.
+    total = sum(seconds.values()) or 1.0
+    return {
+        "steps": steps,
+        "wall_s_per_step": per_step_wall,
+        "seconds_per_step": seconds,
+        "fractions": {k: v / total for k, v in seconds.items()},
+    }
+
+
+def top_operators(prof: Any, on_device: bool, steps: int, n: int = 15) -> list[dict[str, Any]]:
+    key = "self_device_time_total" if on_device else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda a: getattr(a, key), reverse=True)[:n]
+    return [{"name": a.key, "self_s_per_step": getattr(a, key) / 1e6 / steps, "calls": a.count} for a in rows]
+
+
+def profile_steps(train: Any, steps: int, out_dir: Path, rank: int, family: str) -> dict[str, Any]:
+    """Profile `steps` more steps of `train` (a `Training`). Profiling slows the steps it
+    watches, so these come after the timed steps and never count in step_time_s."""
+    on_device = family == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            train.step()
+        synchronize(family)
+        wall = time.perf_counter() - t0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out_dir / f"trace-rank{rank}.json"))
+    report = breakdown(list(prof.events()), wall, steps, on_device)
+    report["top_operators"] = top_operators(prof, on_device, steps)
+    return report
+
+
+def write_breakdown(report: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "breakdown.json").write_text(json.dumps(report, indent=1))
