@@ -131,6 +131,7 @@ class WorkerSettings:
     stale_after_s: float = STALE_AFTER_S
     max_attempts: int = MAX_ATTEMPTS
     poll_s: float = 1.0
+    remeasure_top: int = 3  # configs measured again before naming a winner (0: trust one run)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> WorkerSettings:
@@ -144,8 +145,10 @@ class WorkerSettings:
             "artifact_dir": os.environ.get("TUNER_ARTIFACT_DIR") or "artifacts",
             "max_trials": num("TUNER_MAX_TRIALS"),
             "max_timeout_min": num("TUNER_MAX_TIMEOUT_MIN"),
+            "remeasure_top": num("TUNER_REMEASURE_TOP"),
         }
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        values.update(overrides)
+        values = {k: v for k, v in values.items() if v is not None}
         return cls(**values)
 
 
@@ -287,6 +290,7 @@ class JobRun:
             timeout_s=timeout_min * 60,
             progress=self._on_progress,
             should_stop=self.should_stop,
+            remeasure_top=cfg.remeasure_top,
         )
         result = summary.to_dict() if hasattr(summary, "to_dict") else dict(summary)
         if self.lost.is_set():

@@ -1,0 +1,249 @@
+"""The job worker's own logic: safe claims with several workers, recovery of jobs whose worker died,
+progress into job events, cancel and shutdown. The real study runs in tests/test_api_server.py;
+here a stand-in study exercises the logic around it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from sqlalchemy import select
+from test_db import fresh_pg_database
+
+from tuner.db import Job, JobEvent, session_scope, utcnow
+from tuner.migrations import upgrade
+from tuner.recipe import parse_recipe
+from tuner.worker import JobRun, Worker, WorkerSettings, claim_job, recover_jobs
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'tuner.db'}"
+        upgrade(url)
+        yield url
+        return
+    url, drop = fresh_pg_database()
+    upgrade(url)
+    yield url
+    drop()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    url = f"sqlite:///{tmp_path / 'tuner.db'}"
+    upgrade(url)
+    return url
+
+
+RECIPE = parse_recipe(
+    "name: w\nmodel: {layers: 1, hidden: 16, heads: 2, seq_len: 8, vocab: 32}\n"
+    "hardware: {device: cpu}\nsearch: {trials: 4, timeout_min: 1}\n"
+)
+
+
+def _queue(url: str, n: int = 1, **fields) -> list[int]:
+    with session_scope(url) as s:
+        jobs = [
+            Job(recipe_name="w", recipe=RECIPE.to_dict(), recipe_hash=RECIPE.hash(), trials_total=4, **fields)
+            for _ in range(n)
+        ]
+        s.add_all(jobs)
+        s.flush()
+        return [j.id for j in jobs]
+
+
+def _events(url: str, job_id: int) -> list[JobEvent]:
+    with session_scope(url) as s:
+        return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+
+
+def test_each_queued_job_is_claimed_by_exactly_one_worker(db_url):
+    ids = _queue(db_url, 24)
+    claimed: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def work(name: str) -> None:
+        while (job_id := claim_job(db_url, name)) is not None:
+            with lock:
+                claimed.append((name, job_id))
+
+    threads = [threading.Thread(target=work, args=(f"{socket.gethostname()}:1:w{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(j for _, j in claimed) == ids  # every job once, none twice
+    with session_scope(db_url) as s:
+        rows = list(s.scalars(select(Job)))
+    assert {r.state for r in rows} == {"running"}
+    assert all(r.attempts == 1 and r.started_at is not None for r in rows)
+    assert {(r.worker_id, r.id) for r in rows} == set(claimed)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_jobs_of_dead_workers_are_requeued_or_failed_after_max_attempts(db_url):
+    host = socket.gethostname()
+    dead = f"{host}:{_dead_pid()}:gone"
+    alive = f"{host}:{os.getpid()}:me"
+    long_ago = utcnow() - dt.timedelta(minutes=10)
+    retry, give_up, live, remote = (
+        _queue(db_url, state="running", worker_id=dead, attempts=1)[0],
+        _queue(db_url, state="running", worker_id=dead, attempts=3)[0],
+        _queue(db_url, state="running", worker_id=alive, attempts=1)[0],
+        _queue(db_url, state="running", worker_id="other-host:1:x", attempts=1, updated_at=long_ago)[0],
+    )
+    changed = dict(recover_jobs(db_url, stale_after_s=30, max_attempts=3))
+    assert changed == {retry: "queued", give_up: "failed", remote: "queued"}
+    with session_scope(db_url) as s:
+        failed = s.get(Job, give_up)
+        assert "died 3 times" in failed.error and failed.finished_at is not None
+        assert s.get(Job, live).state == "running"
+    assert [e.kind for e in _events(db_url, retry)] == ["requeued"]
+    assert _events(db_url, give_up)[-1].kind == "done"
+    # The requeued job is claimable again and counts a second attempt.
+    assert claim_job(db_url, alive) == retry
+    with session_scope(db_url) as s:
+        assert s.get(Job, retry).attempts == 2
+
+
+class _Executor:
+    """Records cancel(); the stand-in study below never submits a trial."""
+
+    def __init__(self):
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        pass
+
+
+class _Summary:
+    def __init__(self, best: dict | None):
+        self.best = best
+
+    def to_dict(self) -> dict:
+        base = {"tokens_per_s": 100.0}
+        return {"best": self.best, "baseline": base if self.best else None, "n_trials": 2}
+
+
+def _study(trials_before_stop: int | None, best_tps: float | None = 150.0):
+    """A stand-in for tuner.study.run_study with its progress events and stop protocol."""
+
+    def run_study(recipe, *, progress, should_stop, trials, **_kw):
+        for n in range(trials):
+            if trials_before_stop is not None and n >= trials_before_stop:
+                while not should_stop():
+                    time.sleep(0.05)
+                break
+            progress({"event": "trial_started", "trial": n, "done": n, "total": trials})
+            progress(
+                {
+                    "event": "trial_finished",
+                    "trial": n,
+                    "done": n + 1,
+                    "total": trials,
+                    "result": {"status": "ok", "tokens_per_s": best_tps},
+                    "best_tokens_per_s": best_tps,
+                }
+            )
+        progress({"event": "done", "done": trials, "total": trials, "summary": {}})
+        return _Summary({"trial": 0, "tokens_per_s": best_tps} if best_tps else None)
+
+    return run_study
+
+
+def _worker(url: str, **kw) -> Worker:
+    settings = WorkerSettings(database_url=url, heartbeat_s=0.1, artifact_dir="unused", **kw)
+    return Worker(settings, executor=_Executor())
+
+
+def test_progress_becomes_job_events_and_the_job_succeeds(sqlite_url, monkeypatch):
+    monkeypatch.setattr("tuner.study.run_study", _study(None))
+    monkeypatch.setattr(JobRun, "_build", lambda *_a: {"error": "no build in this test"})
+    job_id = _queue(sqlite_url)[0]
+    worker = _worker(sqlite_url)
+    assert worker.run_once() == job_id
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        assert (job.state, job.trials_done, job.trials_total) == ("succeeded", 4, 4)
+        assert job.best_tokens_per_s == 150.0 and job.speedup == pytest.approx(1.5)
+        assert job.study_name.startswith("w-") and job.finished_at >= job.started_at
+    kinds = [e.kind for e in _events(sqlite_url, job_id)]
+    assert kinds[0] == "state" and kinds.count("trial_finished") == 4
+    # The study's own `done` is renamed: SSE clients stop at the job's `done`, which comes last.
+    assert "study_done" in kinds and kinds[-1] == "done" and kinds.count("done") == 1
+
+
+def test_a_study_with_no_ok_trial_fails_the_job_with_a_reason(sqlite_url, monkeypatch):
+    monkeypatch.setattr("tuner.study.run_study", _study(None, best_tps=None))
+    job_id = _queue(sqlite_url)[0]
+    _worker(sqlite_url).run_once()
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        assert job.state == "failed" and "no trial finished ok" in job.error
+
+
+def test_cancel_stops_the_trials_and_ends_cancelled(sqlite_url, monkeypatch):
+    monkeypatch.setattr("tuner.study.run_study", _study(trials_before_stop=1))
+    job_id = _queue(sqlite_url)[0]
+    worker = _worker(sqlite_url)
+    runner = threading.Thread(target=worker.run_once)
+    runner.start()
+    time.sleep(0.5)
+    with session_scope(sqlite_url) as s:
+        s.get(Job, job_id).cancel_requested = True  # what POST /v1/jobs/{id}/cancel does
+    assert worker.executor.cancelled.wait(10), "executor.cancel() was not called"
+    runner.join(10)
+    with session_scope(sqlite_url) as s:
+        assert s.get(Job, job_id).state == "cancelled"
+
+
+def test_shutdown_hands_the_job_back_without_spending_an_attempt(sqlite_url, monkeypatch):
+    monkeypatch.setattr("tuner.study.run_study", _study(trials_before_stop=1))
+    job_id = _queue(sqlite_url)[0]
+    worker = _worker(sqlite_url)
+    runner = threading.Thread(target=worker.run_once)
+    runner.start()
+    time.sleep(0.5)
+    worker.shutdown.set()  # what SIGTERM does
+    runner.join(10)
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        assert (job.state, job.worker_id, job.attempts) == ("queued", None, 0)
+    assert _events(sqlite_url, job_id)[-1].kind == "requeued"
+
+
+def test_a_job_taken_over_by_another_worker_is_left_alone(sqlite_url, monkeypatch):
+    monkeypatch.setattr("tuner.study.run_study", _study(trials_before_stop=1))
+    job_id = _queue(sqlite_url)[0]
+    worker = _worker(sqlite_url)
+    runner = threading.Thread(target=worker.run_once)
+    runner.start()
+    time.sleep(0.5)
+    with session_scope(sqlite_url) as s:
+        s.get(Job, job_id).worker_id = "someone-else:1:x"  # recovered by another worker meanwhile
+    runner.join(10)
+    assert not runner.is_alive()
+    with session_scope(sqlite_url) as s:
+        assert (s.get(Job, job_id).state, s.get(Job, job_id).worker_id) == ("running", "someone-else:1:x")
+
+
+def test_settings_from_env_apply_the_service_limits(monkeypatch):
+    monkeypatch.setenv("TUNER_MAX_TRIALS", "7")
+    monkeypatch.setenv("TUNER_REMEASURE_TOP", "0")
+    s = WorkerSettings.from_env(executor=None)
+    assert (s.max_trials, s.remeasure_top, s.executor) == (7, 0, "local")
