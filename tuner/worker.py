@@ -315,19 +315,30 @@ class JobRun:
             from tuner.build import build_trial
         except ImportError as err:
             return {"error": f"build step unavailable: {err}"}
+
+        def say(step: int, total: int, message: str) -> None:
+            self._on_progress(
+                {"event": "build_progress", "step": step, "total_steps": total, "message": message}
+            )
+
         try:
             record = build_trial(
-                recipe, name, trial_number, self.url, ArtifactStore(self.worker.settings.artifact_dir)
+                recipe,
+                study_name=name,
+                trial_number=trial_number,
+                storage_url=self.url,
+                store=ArtifactStore(self.worker.settings.artifact_dir),
+                progress=say,
             )
         except Exception as err:  # noqa: BLE001 - the best config stands even when its build fails
             log.exception("job %s: build failed", self.job_id)
             return {"error": f"build failed: {type(err).__name__}: {err}"}
-        path = str(getattr(record, "path", ""))
         return {
             "trial": trial_number,
-            "path": path,
-            "sha256": getattr(record, "sha256", ""),
-            "size_bytes": getattr(record, "size_bytes", None) or (os.path.getsize(path) if path else 0),
+            "path": str(record.path),
+            "sha256": record.sha256,
+            "size_bytes": record.size_bytes,
+            "build_id": record.build_id,  # build_trial registers the row; the worker links it to the job
         }
 
     def _finish(self, outcome: dict[str, Any]) -> str:
@@ -349,7 +360,10 @@ class JobRun:
                 return state
             _apply_summary(job, summary)
             build = outcome.get("build") or {}
-            if build.get("path"):
+            row = s.get(Build, build["build_id"]) if build.get("build_id") else None
+            if row is not None:
+                row.job_id = job.id
+            elif build.get("path"):
                 s.add(
                     Build(
                         job_id=job.id,
@@ -360,6 +374,7 @@ class JobRun:
                         size_bytes=build["size_bytes"],
                     )
                 )
+            if build.get("path"):
                 add_event(s, job.id, "build", {k: build[k] for k in ("trial", "sha256", "size_bytes")})
             job.error = outcome.get("error") or build.get("error")
             job.state, job.finished_at = state, now
