@@ -1,0 +1,100 @@
+"""Fast checks of the build's decisions and parsing: what gets compiled, how kernels are indexed,
+how the comparison reads. The real compile runs in test_build.py."""
+
+from __future__ import annotations
+
+import json
+
+from tuner.build import _speed_line, build_plan, collect_kernels
+from tuner.config import Config
+from tuner.recipe import recipe_from_dict
+
+RECIPE = recipe_from_dict(
+    {"name": "t", "model": {"layers": 2, "hidden": 64, "heads": 2, "seq_len": 32, "vocab": 256},
+     "hardware": {"device": "cpu", "devices": 1}}
+)  # fmt: skip
+
+# The shape of Inductor's generated module (abridged from a real CPU compile): kernel sources as
+# async_compile calls, call sites with origin comments.
+GENERATED = """# AOT ID: ['0_forward']
+from torch._inductor.async_compile import AsyncCompile
+async_compile = AsyncCompile()
+
+
+cpp_fused_add_native_layer_norm_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C"  void  kernel(const float* in_ptr0, float* out_ptr0)
+{
+    out_ptr0[0] = in_ptr0[0];
+}
+''')
+
+
+triton_poi_fused_relu_1 = async_compile.triton('triton_poi_fused_relu_1', '''
+import triton
+@triton.jit
+def triton_poi_fused_relu_1(in_ptr0, xnumel, XBLOCK: tl.constexpr):
+    pass
+''', device_str='cuda')
+
+
+async_compile.wait(globals())
+class Runner:
+    def call(self, args):
+        # Topologically Sorted Source Nodes: [x, layer_norm], Original ATen: [aten.add, aten.native_layer_norm]
+        buf0 = empty_strided_cpu((4, 64), (64, 1), torch.float32)
+        cpp_fused_add_native_layer_norm_0(arg0_1, buf0)
+        # Topologically Sorted Source Nodes: [relu], Original ATen: [aten.relu]
+        triton_poi_fused_relu_1.run(buf0, 256, stream=stream0)
+"""
+
+
+def test_eager_winner_is_built_with_compile_default():
+    plan, why_not = build_plan(Config(), RECIPE, "cpu")
+    assert plan.compile == "default" and why_not is None
+
+
+def test_compiled_winner_is_built_as_is():
+    plan, why_not = build_plan(Config(compile="max-autotune"), RECIPE, "cpu")
+    assert plan.compile == "max-autotune" and why_not is None
+
+
+def test_no_kernels_on_npu_and_the_reason_is_given():
+    plan, why_not = build_plan(Config(), RECIPE, "npu")
+    assert plan.compile == "none" and "Ascend NPU" in why_not
+
+
+def test_config_that_cannot_compile_says_why():
+    """offload hooks cannot be traced (a feasibility rule): the build stays eager and says so."""
+    recipe = recipe_from_dict({**RECIPE.to_dict(), "hardware": {"device": "cpu", "devices": 1}})
+    plan, why_not = build_plan(Config(offload=True), recipe, "cpu")
+    assert plan.compile == "none" and "offload" in why_not
+
+
+def test_kernels_are_split_out_and_indexed_with_their_fused_ops(tmp_path):
+    inductor = tmp_path / "inductor" / "ab"
+    inductor.mkdir(parents=True)
+    (inductor / "cabcdef.py").write_text(GENERATED)
+    (inductor / "unrelated.py").write_text("print('not generated code')\n")
+    index = collect_kernels(tmp_path / "inductor", tmp_path / "stage" / "kernels" / "rank0", rank=0)
+    by_name = {e["kernel"]: e for e in index}
+    assert set(by_name) == {"cpp_fused_add_native_layer_norm_0", "triton_poi_fused_relu_1"}
+    cpp = by_name["cpp_fused_add_native_layer_norm_0"]
+    assert cpp["language"] == "cpp" and cpp["fused"] == "add_native_layer_norm"
+    assert cpp["aten_ops"] == ["aten.add", "aten.native_layer_norm"]
+    assert cpp["source_nodes"] == ["x", "layer_norm"]
+    source = (tmp_path / "stage" / cpp["file"]).read_text()
+    assert source.startswith("#include") and 'extern "C"' in source and "'''" not in source
+    tri = by_name["triton_poi_fused_relu_1"]
+    assert tri["language"] == "triton" and tri["aten_ops"] == ["aten.relu"]
+    assert "@triton.jit" in (tmp_path / "stage" / tri["file"]).read_text()
+    assert cpp["file"].startswith("kernels/rank0/0_forward-")
+    json.dumps(index)  # the index is written as JSON as is
+
+
+def test_comparison_says_faster_or_slower_with_both_numbers():
+    assert _speed_line(3000.0, 1000.0, "default") == (
+        "compiled (compile=default) 3,000 tokens/s vs eager 1,000 tokens/s: 3.00x faster"
+    )
+    slower = _speed_line(500.0, 1000.0, "default")
+    assert "2.00x slower" in slower and "kernels are kept" in slower and "1,000" in slower

@@ -1,0 +1,438 @@
+"""The build of a trial's config: compile it in its own process group, collect the fused kernels
+Inductor generated, the portable compile cache, a profile and a launch script, and store the lot as
+one checked archive (`builds/<study>/<trial>.tar.gz`) registered in the builds table."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuner.artifacts import ArtifactStore, write_manifest
+from tuner.config import Config, infeasible_reasons
+from tuner.recipe import Recipe
+from tuner.result import RESULT_KEYS, TrialResult, TrialSpec
+
+RANK_MODULE = "tuner.workload.build_rank"
+# Environment of the measured run that changes its speed; launch.sh exports what is set here.
+_LAUNCH_ENV = re.compile(
+    r"^(OMP_NUM_THREADS|MKL_NUM_THREADS|CUDA_VISIBLE_DEVICES|ASCEND_RT_VISIBLE_DEVICES|"
+    r"PYTORCH_CUDA_ALLOC_CONF|PYTORCH_NPU_ALLOC_CONF|NCCL_\w+|TORCH_NCCL_\w+|HCCL_\w+|GLOO_\w+)$"
+)
+# A kernel definition in Inductor's generated module: `name = async_compile.<kind>(..., '''source''')`.
+_KERNEL_DEF = re.compile(
+    r"^(?P<name>\w+) = async_compile\.(?P<kind>\w+)\((?P<head>[^\n]*?)r?'''\n?(?P<src>.*?)'''",
+    re.DOTALL | re.MULTILINE,
+)
+_ORIGIN = re.compile(
+    r"# Topologically Sorted Source Nodes: \[(?P<nodes>.*?)\], Original ATen: \[(?P<aten>.*?)\]"
+)
+_CALL = re.compile(r"^\s*(?P<name>\w+)(?:\.run)?\(")
+
+Progress = Callable[[int, int, str], None]
+
+
+class BuildError(RuntimeError):
+    """A build that cannot start or did not finish; the message says why and what to do."""
+
+
+class NoStudyError(BuildError):
+    """The recipe has no study (on this hardware and software) yet."""
+
+
+class NoTrialError(BuildError):
+    """The requested trial does not exist or has no measurement; `valid` lists the ones that do."""
+
+    def __init__(self, message: str, valid: list[int]):
+        super().__init__(message)
+        self.valid = valid
+
+
+@dataclass
+class BuildRecord:
+    path: str
+    sha256: str
+    size_bytes: int
+    study_name: str
+    trial_number: int
+    compiled_tokens_per_s: float | None
+    eager_tokens_per_s: float | None
+    compile_cold_s: float | None
+    compile_warm_s: float | None
+    summary: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)  # the knob setting that was compiled
+    kernels: int = 0
+    build_id: int | None = None  # row in the builds table, when registered
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- which trial ----------------------------------------------------------------------------------
+
+
+def _load_trial(recipe: Recipe, family: str, name: str | None, number: int | None, url: str):
+    """(study name, trial number, Config, measured metrics) of the trial to build."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from tuner.fingerprint import fingerprint
+    from tuner.space import config_from_params
+    from tuner.storage import get_storage
+    from tuner.study import study_name as make_study_name
+    from tuner.summary import build_summary
+
+    name = name or make_study_name(recipe, fingerprint(family))
+    try:
+        study = optuna.load_study(study_name=name, storage=get_storage(url))
+    except KeyError:
+        raise NoStudyError(
+            f"no study {name!r} for recipe {recipe.name!r} on this machine in {url}; "
+            "run `tuner tune RECIPE` first (or pass --storage where it ran)"
+        ) from None
+    measured = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if t.user_attrs.get("tokens_per_s")
+    ]
+    valid = sorted(t.number for t in measured)
+    if number is None:
+        best = build_summary(study, url).best
+        if best is None:
+            raise NoTrialError(
+                f"study {name!r} has no measured trial yet; run `tuner tune RECIPE` first", valid
+            )
+        number = int(best["trial"])
+    trial = next((t for t in measured if t.number == number), None)
+    if trial is None:
+        shown = ", ".join(map(str, valid)) or "none"
+        raise NoTrialError(
+            f"--trial {number}: no measured trial with that number in {name!r}; valid: {shown}", valid
+        )
+    metrics = {k: trial.user_attrs.get(k) for k in RESULT_KEYS if k in trial.user_attrs}
+    return name, number, config_from_params(trial.params), metrics
+
+
+def build_plan(config: Config, recipe: Recipe, family: str) -> tuple[Config, str | None]:
+    """The config to compile, and why nothing will be compiled (None when it will be).
+
+    A winner that already compiles is built as is and compared with compile=none; an eager one is
+    built with compile=default and compared with its own eager number, re-measured.
+    """
+    from tuner.devices import describe
+
+    if config.compile != "none":
+        return config, None
+    if family == "npu":
+        return config, "torch.compile is not driven on Ascend NPU, so the kernel part is not produced there"
+    candidate = dataclasses.replace(config, compile="default")
+    info = describe(family)
+    before = set(infeasible_reasons(config, recipe, info))
+    reasons = [r for r in infeasible_reasons(candidate, recipe, info) if r not in before]
+    if reasons:
+        return config, f"compile=default cannot run with this config ({'; '.join(reasons)})"
+    return candidate, None
+
+
+# ---- running the phases ---------------------------------------------------------------------------
+
+
+def _run_phase(spec: TrialSpec, env: dict[str, str], deadline: float, what: str) -> TrialResult:
+    from tuner.executors.local import run_trial
+
+    left = deadline - time.monotonic()
+    if left <= 1:
+        raise BuildError(f"the build ran out of time before the {what}; raise --timeout")
+    spec = dataclasses.replace(spec, timeout_s=left)
+    # run_trial supervises from a thread: Ctrl-C here sets `stop`, and run_trial then ends the
+    # phase's whole process session instead of leaving compiler processes behind.
+    stop, box = threading.Event(), {}
+
+    def supervise() -> None:
+        try:
+            box["r"] = run_trial(spec, env=env, module=RANK_MODULE, stop=stop)
+        except Exception as err:  # noqa: BLE001 - reported below as a failed phase
+            box["r"] = TrialResult(status="error", error_kind=type(err).__name__, error=str(err))
+
+    worker = threading.Thread(target=supervise, daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.25)
+    except KeyboardInterrupt:
+        stop.set()
+        worker.join()
+        raise
+    result = box["r"]
+    if result.status != "ok":
+        hint = "; raise --timeout" if result.status == "timeout" else ""
+        raise BuildError(f"{what} failed ({result.status}): {result.error}{hint}; log: {result.log_path}")
+    return result
+
+
+# ---- collecting what the compiler made ------------------------------------------------------------
+
+
+def _fused_ops(name: str) -> str:
+    """`cpp_fused_add_native_layer_norm_0` -> `add_native_layer_norm` (Inductor's naming)."""
+    _, _, rest = name.partition("fused_")
+    return re.sub(r"_\d+$", "", rest)
+
+
+def _origins(code: str) -> dict[str, dict[str, list[str]]]:
+    """Kernel name -> the source nodes and ATen ops of the comment above its call site."""
+    out: dict[str, dict[str, list[str]]] = {}
+    last: dict[str, list[str]] | None = None
+    for line in code.splitlines():
+        m = _ORIGIN.search(line)
+        if m:
+            split = lambda s: [p.strip() for p in s.split(",") if p.strip()]  # noqa: E731
+            last = {"source_nodes": split(m["nodes"]), "aten_ops": split(m["aten"])}
+            continue
+        call = _CALL.match(line)
+        if call and last is not None and call["name"] not in out:
+            out[call["name"]] = last
+    return out
+
+
+def collect_kernels(inductor_dir: Path, dest: Path, rank: int) -> list[dict[str, Any]]:
+    """Copy every generated module and fused kernel of one rank into `dest`; return index entries."""
+    entries: list[dict[str, Any]] = []
+    modules = sorted(
+        p for p in inductor_dir.rglob("*.py") if "async_compile" in p.read_text(errors="replace")
+    )
+    for module in modules:
+        code = module.read_text(errors="replace")
+        first = code.splitlines()[0] if code else ""
+        graph = re.sub(r"[^A-Za-z0-9_]+", "", first.partition("AOT ID:")[2]) or module.stem
+        gdir = dest / f"{graph}-{module.stem[:8]}"
+        gdir.mkdir(parents=True, exist_ok=True)
+        (gdir / "module.py").write_text(code)  # the whole generated module, with origin comments
+        origins = _origins(code)
+        for m in _KERNEL_DEF.finditer(code):
+            kind = m["kind"]
+            lang = "cpp" if kind.startswith("cpp") else "triton" if kind == "triton" else kind
+            ext = {"cpp": ".cpp", "triton": ".py"}.get(lang, ".txt")
+            path = gdir / f"{m['name']}{ext}"
+            path.write_text(m["src"])
+            origin = origins.get(m["name"], {})
+            entries.append(
+                {
+                    "rank": rank,
+                    "graph": gdir.name,
+                    "kernel": m["name"],
+                    "language": lang,
+                    "file": path.relative_to(dest.parent.parent).as_posix(),
+                    "fused": _fused_ops(m["name"]),
+                    "aten_ops": origin.get("aten_ops", []),
+                    "source_nodes": origin.get("source_nodes", []),
+                }
+            )
+    return entries
+
+
+def _launch_script(trial: int, study: str, world: int, tokens: float | None, device: str) -> str:
+    env = {k: v for k, v in sorted(os.environ.items()) if _LAUNCH_ENV.match(k)}
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) or "# (none set)\n"
+    measured = f"{tokens:,.0f} tokens/s" if tokens else "its throughput"
+    return f"""#!/usr/bin/env bash
+# Reproduces trial {trial} of study {study}: the measured config ({measured} on {device}).
+# Runs {world} rank(s) of `python -m tuner.workload spec.json` under torchrun; rank 0 prints the
+# result and writes it to run/result.json. Needs this project installed (`pip install training-tuner`).
+set -euo pipefail
+cd "$(dirname "${{BASH_SOURCE[0]}}")"
+# Environment of the measured run:
+{exports}if command -v torchrun >/dev/null 2>&1; then run=(torchrun); else run=("${{PYTHON:-python3}}" -m torch.distributed.run); fi
+"${{run[@]}}" --standalone --nproc-per-node {world} -m tuner.workload spec.json
+"""
+
+
+def _speed_line(compiled: float | None, eager: float | None, mode: str) -> str:
+    if not compiled or not eager:
+        return "no compiled/eager comparison"
+    ratio = compiled / eager
+    verdict = (
+        f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower; the kernels are kept anyway"
+    )
+    return f"compiled (compile={mode}) {compiled:,.0f} tokens/s vs eager {eager:,.0f} tokens/s: {verdict}"
+
+
+def _register(url: str, record: BuildRecord) -> int:
+    from tuner.db import Build, session_scope
+    from tuner.migrations import is_current, upgrade
+
+    if not is_current(url):
+        upgrade(url)
+    with session_scope(url) as s:
+        row = Build(
+            study_name=record.study_name,
+            trial_number=record.trial_number,
+            path=record.path,
+            sha256=record.sha256,
+            size_bytes=record.size_bytes,
+        )
+        s.add(row)
+        s.flush()
+        return row.id
+
+
+# ---- the build ------------------------------------------------------------------------------------
+
+
+def build_trial(
+    recipe: Recipe,
+    *,
+    study_name: str | None = None,
+    trial_number: int | None = None,
+    storage_url: str | None = None,
+    store: ArtifactStore | None = None,
+    timeout_s: float = 900,
+    progress: Progress | None = None,
+) -> BuildRecord:
+    """Build the study's best trial (or `trial_number`) of `recipe` into the artifact store."""
+    from tuner.devices import describe, resolve_family
+    from tuner.fingerprint import fingerprint
+    from tuner.storage import default_storage_url
+
+    deadline = time.monotonic() + timeout_s
+    url = storage_url or default_storage_url()
+    store = store or ArtifactStore()
+    family = resolve_family(recipe.hardware.device)
+    say = progress or (lambda step, total, message: None)
+    say(0, 5, "reading the trial from the study")
+    study, number, config, measured = _load_trial(recipe, family, study_name, trial_number, url)
+    built, no_kernels = build_plan(config, recipe, family)
+    compiled = built.compile != "none"
+    store.root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".work-{study[:40]}-{number}-", dir=store.root))
+    spec = TrialSpec(
+        recipe=recipe.to_dict(), config=built.to_dict(), family=family, workdir=str(work / "cold"),
+        timeout_s=timeout_s, seed=0, tag=f"build-{number}",
+    )  # fmt: skip
+    what = f"eager, then compiling (compile={built.compile}) cold" if compiled else "measuring and profiling"
+    say(1, 5, what)
+    cold = _run_phase(spec, {"TUNER_BUILD_PHASE": "cold"}, deadline, "cold build phase")
+    info = cold.extra["build"]
+    warm_s, warm_note, warm_info = None, None, None
+    if compiled:
+        say(2, 5, "compiling again in a fresh process from compile-cache.bin (warm)")
+        warm_spec = dataclasses.replace(spec, workdir=str(work / "warm"))
+        env = {"TUNER_BUILD_PHASE": "warm", "TUNER_BUILD_CACHE": str(work / "cold" / "cache")}
+        try:
+            warm_info = _run_phase(warm_spec, env, deadline, "warm build phase").extra["build"]
+            warm_s = warm_info["compile_s"]
+        except BuildError as err:
+            warm_note = f"warm compile not measured: {err}"
+    say(3, 5, "collecting kernels, cache, profile and manifest")
+    stage = work / "stage"
+    stage.mkdir()
+    record = BuildRecord(
+        path="", sha256="", size_bytes=0, study_name=study, trial_number=number,
+        compiled_tokens_per_s=cold.tokens_per_s if compiled else None,
+        eager_tokens_per_s=info["eager"]["tokens_per_s"],
+        compile_cold_s=info.get("compile_s"), compile_warm_s=warm_s, config=built.active_params(),
+    )  # fmt: skip
+    world = config.world_size
+    index: list[dict[str, Any]] = []
+    caches: dict[str, str] = {}
+    if compiled:
+        (stage / "kernels").mkdir()
+        rank0 = (work / "cold" / "cache" / "rank0.bin").read_bytes()
+        for r in range(world):
+            index += collect_kernels(
+                work / "cold" / "inductor" / f"rank{r}", stage / "kernels" / f"rank{r}", r
+            )
+            blob = (work / "cold" / "cache" / f"rank{r}.bin").read_bytes()
+            # Symmetric ranks (dp, tp) usually compile identical graphs: ship one cache for them.
+            caches[f"rank{r}"] = "compile-cache.bin" if blob == rank0 else f"compile-cache-rank{r}.bin"
+            (stage / caches[f"rank{r}"]).write_bytes(blob)
+        (stage / "kernels" / "index.json").write_text(json.dumps(index, indent=1))
+    record.kernels = len(index)
+    shutil.copytree(work / "cold" / "profile", stage / "profile")
+    device = describe(family)
+    launch_spec = dataclasses.replace(spec, config=config.to_dict(), workdir="run", tag=f"launch-{number}")
+    launch_spec.timeout_s = recipe.measure.timeout_s
+    (stage / "spec.json").write_text(json.dumps(launch_spec.to_dict(), indent=1))
+    launch = stage / "launch.sh"
+    launch.write_text(_launch_script(number, study, world, measured.get("tokens_per_s"), device.name))
+    launch.chmod(0o755)
+    logs = stage / "logs"
+    logs.mkdir()
+    for phase in ("cold", "warm"):
+        if (work / phase / "trial.log").is_file():
+            shutil.copy(work / phase / "trial.log", logs / f"{phase}.log")
+
+    lines = [f"trial {number} of {study}: measured {measured.get('tokens_per_s') or 0:,.0f} tokens/s"]
+    if compiled:
+        lines.append(_speed_line(record.compiled_tokens_per_s, record.eager_tokens_per_s, built.compile))
+        cold_s = record.compile_cold_s or 0.0
+        if warm_s is not None:
+            gain = f"{cold_s / warm_s:.1f}x faster" if warm_s else "instant"
+            lines.append(
+                f"compile time: cold {cold_s:.1f}s, warm from compile-cache.bin {warm_s:.1f}s ({gain})"
+            )
+        else:
+            lines.append(f"compile time: cold {cold_s:.1f}s; {warm_note}")
+        langs = sorted({e["language"] for e in index}) or ["none"]
+        lines.append(f"kernels: {len(index)} fused kernels ({', '.join(langs)}) from {world} rank(s)")
+    else:
+        lines.append(f"eager (compile=none) re-measured: {record.eager_tokens_per_s or 0:,.0f} tokens/s")
+        lines.append(f"kernels: not produced: {no_kernels}")
+    (stage / "config.json").write_text(
+        json.dumps(
+            {
+                "study": study,
+                "trial": number,
+                "config": config.to_dict(),
+                "built_config": built.to_dict(),
+                "recipe": recipe.to_dict(),
+                "measured": measured,
+                "build": {
+                    "compiled_tokens_per_s": record.compiled_tokens_per_s,
+                    "eager": info["eager"],
+                    "compile_cold_s": record.compile_cold_s,
+                    "compile_warm_s": warm_s,
+                    "warm": warm_info,
+                    "compile_cache": caches,
+                    "kernels_not_produced": no_kernels,
+                    "breakdown": cold.breakdown,
+                    "summary": lines,
+                },
+            },
+            indent=1,
+        )
+    )
+    write_manifest(
+        stage,
+        {
+            "format": 1,
+            "study": study,
+            "trial": number,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "fingerprint": fingerprint(family),
+            "device": device.to_dict(),
+        },
+    )
+    say(4, 5, "archiving and registering the build")
+    path, digest, size = store.put(study, number, stage)
+    record.path, record.sha256, record.size_bytes = str(path), digest, size
+    lines.append(f"archive: {path} ({size / 2**20:.1f} MiB, sha256 {digest[:12]})")
+    try:
+        record.build_id = _register(url, record)
+    except Exception as err:  # noqa: BLE001 - the archive is good; say why it is not listed
+        lines.append(f"not registered in the builds table: {err}")
+    record.summary = lines
+    shutil.rmtree(work, ignore_errors=True)
+    say(5, 5, "done")
+    return record

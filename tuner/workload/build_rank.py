@@ -1,0 +1,207 @@
+"""One rank of a build: `python -m tuner.workload.build_rank SPEC.json`, started by the build like a
+trial's rank. TUNER_BUILD_PHASE picks the phase:
+
+- `cold`: measure the config eager (compile=none), then compiled: time the cold compile, measure,
+  profile, and save the compiler's portable cache (`torch.compiler.save_cache_artifacts`) to
+  `{workdir}/cache/rank{r}.bin`. Inductor writes its generated kernels under
+  `{workdir}/inductor/rank{r}` (TORCHINDUCTOR_CACHE_DIR), where the build collects them.
+- `warm`: a fresh process with an empty inductor cache dir loads the cache saved by the cold phase
+  (from the directory TUNER_BUILD_CACHE names) before compiling, and times the compile again.
+
+Rank 0 writes `result.json` (a TrialResult; the build's numbers in `extra["build"]`), a failing rank
+writes `rank{r}.error.json`, the same protocol as `tuner.workload`, so `run_trial` supervises it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PHASE_ENV = "TUNER_BUILD_PHASE"
+CACHE_ENV = "TUNER_BUILD_CACHE"
+# Steps after the compiling one in the warm phase: enough for a median to subtract from the
+# first step, few because the warm phase is about compile time, not throughput.
+WARM_EXTRA_STEPS = 2
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _point_inductor_at_workdir(workdir: Path, rank: int) -> Path:
+    # Each rank gets its own cache dir so the build can tell whose kernels are whose, and so the
+    # cold compile really is cold (no kernels from earlier runs on this machine).
+    cache = workdir / "inductor" / f"rank{rank}"
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
+    return cache
+
+
+def _timed_step(train: Any, family: str) -> float:
+    from tuner.devices import synchronize
+
+    synchronize(family)
+    t0 = time.perf_counter()
+    train.step()
+    synchronize(family)
+    return time.perf_counter() - t0
+
+
+def _cache_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: int(v) for k, v in counters["inductor"].items() if "cache" in k}
+
+
+def _gather(obj: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def cold(spec: Any, env: Any, baseline: int) -> Any:
+    """Eager, then compiled: measurements, profile and the saved compile cache of this rank."""
+    import torch
+
+    from tuner.workload.profile import profile_steps, write_breakdown
+    from tuner.workload.run import PROFILE_STEPS, _result, measure
+    from tuner.workload.train import Training
+
+    workdir = Path(spec.workdir)
+    compiled = spec.config.get("compile", "none") != "none"
+    eager_spec = dataclasses.replace(spec, config={**spec.config, "compile": "none"})
+    train = Training.from_spec(eager_spec, env)
+    eager_times, eager_losses = measure(train, eager_spec, baseline)
+    eager = _result(train, eager_spec, eager_times, eager_losses, None, None, None, [])
+    mine: dict[str, Any] = {"rank": env.rank}
+    if compiled:
+        del train
+        train = Training.from_spec(spec, env)
+        first = _timed_step(train, spec.family)
+        times, losses = measure(train, spec, baseline)
+        mine["compile_s"] = max(0.0, first - statistics.median(times))
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            path = workdir / "cache" / f"rank{env.rank}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(saved[0])
+            mine["cache_bytes"] = len(saved[0])
+    else:
+        times, losses = eager_times, eager_losses
+    out = workdir / "profile"
+    report = profile_steps(train, min(PROFILE_STEPS, spec_steps(spec)), out, env.rank, spec.family)
+    mine["breakdown"] = report["seconds_per_step"]
+    ranks = _gather(mine, env.world_size)
+    if env.rank != 0:
+        return None
+    write_breakdown(report, out)
+    result = _result(train, spec, times, losses, None, None, report, [])
+    result.extra["build"] = {
+        "phase": "cold",
+        "compiled": compiled,
+        "eager": eager.public() | {"step_times": eager.step_times},
+        "compile_s": max((r.get("compile_s", 0.0) for r in ranks), default=0.0) if compiled else None,
+        "ranks": ranks,
+    }
+    return result
+
+
+def spec_steps(spec: Any) -> int:
+    return int(spec.recipe.get("measure", {}).get("steps", 5))
+
+
+def warm(spec: Any, env: Any) -> Any:
+    """Load the cold phase's cache for this rank, then compile and time it again."""
+    import torch
+
+    from tuner.result import TrialResult
+    from tuner.workload.train import Training
+
+    source = Path(os.environ[CACHE_ENV]) / f"rank{env.rank}.bin"
+    try:
+        blob = source.read_bytes()
+    except OSError as err:
+        raise FileNotFoundError(f"{source}: the cold phase saved no compile cache ({err.strerror})") from None
+    t0 = time.perf_counter()
+    torch.compiler.load_cache_artifacts(blob)
+    load_s = time.perf_counter() - t0
+    train = Training.from_spec(spec, env)
+    first = _timed_step(train, spec.family)
+    rest = [_timed_step(train, spec.family) for _ in range(WARM_EXTRA_STEPS)]
+    mine = {
+        "rank": env.rank,
+        "load_s": load_s,
+        "compile_s": max(0.0, first - statistics.median(rest)) + load_s,
+        "counters": _cache_counters(),
+    }
+    ranks = _gather(mine, env.world_size)
+    if env.rank != 0:
+        return None
+    median = statistics.median(rest)
+    return TrialResult(
+        status="ok",
+        step_time_s=median,
+        step_times=rest,
+        tag=spec.tag,
+        extra={"build": {"phase": "warm", "compile_s": max(r["compile_s"] for r in ranks), "ranks": ranks}},
+    )
+
+
+def main(spec_path: str) -> int:
+    from tuner.workload.__main__ import _load_spec
+
+    spec = _load_spec(spec_path)
+    workdir = Path(spec.workdir)
+    phase = os.environ.get(PHASE_ENV, "cold")
+    _point_inductor_at_workdir(workdir, _rank())
+    # torch is imported only now, after TORCHINDUCTOR_CACHE_DIR is set.
+    import torch.distributed as dist
+
+    from tuner.devices import reset_peak_memory
+    from tuner.workload.parallel import RankEnv, set_rank_threads
+    from tuner.workload.run import _write_json, error_record
+
+    baseline = reset_peak_memory(spec.family)
+    try:
+        if phase not in ("cold", "warm"):
+            raise ValueError(f"{PHASE_ENV}={phase!r}: use cold or warm")
+        env = RankEnv.from_environ()
+        set_rank_threads(env, spec.config.get("cpu_affinity", "none"))
+        result = cold(spec, env, baseline) if phase == "cold" else warm(spec, env)
+        if result is not None:
+            _write_json(workdir / "result.json", result.to_dict())
+            build = result.extra["build"]
+            print(
+                f"build {phase}: compile {build.get('compile_s') or 0:.1f}s, step {result.step_time_s:.4f}s"
+            )
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a record, never a hang
+        record = error_record(exc)
+        _write_json(workdir / f"rank{_rank()}.error.json", record)
+        print(
+            f"rank {_rank()} failed ({record['error_kind']}): {record['error']}", file=sys.stderr, flush=True
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tuner.workload.build_rank SPEC.json   (TUNER_BUILD_PHASE=cold|warm)")
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        # Peers may be blocked in a collective with us; the launcher ends the rest.
+        os._exit(code)
