@@ -1,0 +1,329 @@
+"""The REST API in-process (real app, real SQLite database): auth, recipe validation and the
+trust boundary, limits, jobs, paginated trials over 10,000 trials, SSE resume, build download."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import time
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from sqlalchemy import insert
+
+from api import Settings, create_app
+from api.auth import create_token, revoke_token
+from tuner.db import Build, Job, add_event, get_engine, session_scope, utcnow
+
+TINY = """\
+name: gpt-tiny
+model: {family: gpt, layers: 2, hidden: 64, heads: 2, seq_len: 32, vocab: 256}
+hardware: {device: cpu, devices: 1}
+search: {trials: 3, timeout_min: 5}
+measure: {warmup_steps: 1, steps: 2}
+"""
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"sqlite:///{tmp_path / 'tuner.db'}"
+
+
+def _client(url: str, **settings) -> TestClient:
+    defaults = {"max_trials": 50, "max_timeout_min": 60, "max_body_bytes": 65536}
+    return TestClient(create_app(Settings(database_url=url, **{**defaults, **settings})))
+
+
+@pytest.fixture
+def client(url):
+    with _client(url) as c:  # entering runs the startup migration
+        yield c
+
+
+@pytest.fixture
+def auth(client, url):
+    with session_scope(url) as s:
+        token = create_token(s, "tester")
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _submit(client, auth, text: str = TINY, content_type: str = "application/yaml"):
+    return client.post("/v1/jobs", content=text, headers={**auth, "Content-Type": content_type})
+
+
+def _fields(resp) -> dict[str, str]:
+    return {e["field"]: e["message"] for e in resp.json()["errors"]}
+
+
+# ---- auth ---------------------------------------------------------------------------------------
+
+
+def test_writes_and_reads_need_a_valid_unrevoked_token(client, auth, url):
+    assert _submit(client, {}).status_code == 401
+    assert client.get("/v1/jobs").status_code == 401
+    assert "tuner token create" in client.get("/v1/jobs").json()["detail"]
+    assert client.get("/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 403
+    assert _submit(client, auth).status_code == 202
+    with session_scope(url) as s:
+        revoke_token(s, "tester")
+    assert _submit(client, auth).status_code == 403
+    assert client.get("/v1/jobs", headers=auth).status_code == 403
+
+
+def test_public_reads_open_gets_but_not_writes(url):
+    with _client(url, public_reads=True) as c:
+        assert c.get("/v1/jobs").status_code == 200
+        assert c.get("/v1/search-spaces").status_code == 200
+        assert _submit(c, {}).status_code == 401
+
+
+def test_tokens_are_stored_only_as_hashes(client, url):
+    with session_scope(url) as s:
+        token = create_token(s, "bot")
+    with get_engine(url).connect() as conn:
+        stored = conn.exec_driver_sql("SELECT token_sha256 FROM api_tokens WHERE name='bot'").scalar()
+    assert stored == hashlib.sha256(token.encode()).hexdigest() and token not in stored
+
+
+# ---- the recipe is data, never code -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        (TINY.replace("family: gpt,", "family: gpt, module: os,"), "model.module"),
+        (TINY.replace("family: gpt", "family: torch.nn.Transformer"), "model.family"),
+        (TINY + "plugin: {import: subprocess}\n", "plugin"),
+        (TINY + "train: {optimizer: 'os.system'}\n", "train.optimizer"),
+    ],
+)
+def test_a_recipe_naming_python_code_is_refused(client, auth, text, field):
+    resp = _submit(client, auth, text)
+    assert resp.status_code == 422
+    assert field in _fields(resp)
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "says"),
+    [
+        ("name: x\n", "model", "required"),
+        (TINY.replace("heads: 2", "heads: 3"), "model", "divisible by heads"),
+        (TINY.replace("layers: 2", "layers: many"), "model.layers", "integer"),
+        (TINY.replace("trials: 3", "trials: 500"), "search.trials", "at most 50 trials"),
+        (TINY.replace("timeout_min: 5", "timeout_min: 999"), "search.timeout_min", "TUNER_MAX_TIMEOUT_MIN"),
+        ("name: [unclosed\n", "", "not valid YAML"),
+    ],
+)
+def test_bad_recipes_get_422_naming_the_field(client, auth, text, field, says):
+    resp = _submit(client, auth, text)
+    assert resp.status_code == 422, resp.text
+    if field:
+        assert says in _fields(resp)[field]
+    else:
+        assert resp.json()["errors"] and all("field" in e for e in resp.json()["errors"])
+        assert says in json.dumps(resp.json())
+
+
+def test_unknown_search_space_is_refused_at_submit(client, auth):
+    resp = _submit(client, auth, TINY.replace("search: {", "search: {space: nosuch, "))
+    assert resp.status_code == 422 and "unknown search space" in _fields(resp)["search.space"]
+
+
+def test_oversized_and_mistyped_bodies(client, auth):
+    resp = _submit(client, auth, TINY + "#" * 70_000)
+    assert resp.status_code == 413 and "TUNER_MAX_BODY_BYTES" in _fields(resp)["body"]
+    resp = _submit(client, auth, TINY, content_type="text/html")
+    assert resp.status_code == 415 and "application/yaml" in _fields(resp)["Content-Type"]
+    resp = _submit(client, auth, "{not json", content_type="application/json")
+    assert resp.status_code == 422 and "JSON" in resp.json()["detail"]
+
+
+# ---- jobs ---------------------------------------------------------------------------------------
+
+
+def test_submit_list_read_and_cancel_jobs(client, auth):
+    resp = _submit(client, auth)
+    assert resp.status_code == 202
+    job = resp.json()
+    assert resp.headers["Location"] == job["links"]["self"] == f"/v1/jobs/{job['id']}"
+    assert (job["state"], job["trials_total"], job["name"]) == ("queued", 3, "gpt-tiny")
+    as_json = json.dumps(yaml.safe_load(TINY))
+    assert _submit(client, auth, as_json, "application/json").status_code == 202
+    ids = [job["id"]] + [_submit(client, auth).json()["id"] for _ in range(3)]
+
+    page = client.get("/v1/jobs?limit=3", headers=auth).json()
+    assert len(page["items"]) == 3 and page["next_cursor"]
+    rest = client.get(f"/v1/jobs?limit=3&cursor={page['next_cursor']}", headers=auth).json()
+    assert rest["next_cursor"] is None
+    assert len({j["id"] for j in page["items"] + rest["items"]}) == 5
+
+    cancelled = client.post(f"/v1/jobs/{ids[0]}/cancel", headers=auth)
+    assert cancelled.status_code == 202 and cancelled.json()["state"] == "cancelled"
+    again = client.post(f"/v1/jobs/{ids[0]}/cancel", headers=auth)
+    assert again.status_code == 409 and "already cancelled" in again.json()["detail"]
+    only = client.get("/v1/jobs?state=cancelled", headers=auth).json()["items"]
+    assert [j["id"] for j in only] == [ids[0]]
+    missing = client.get("/v1/jobs/999999", headers=auth)
+    assert missing.status_code == 404 and "not found" in missing.json()["detail"]
+    assert client.get("/v1/jobs?state=bogus", headers=auth).status_code == 422
+    assert "state" in _fields(client.get("/v1/jobs?state=bogus", headers=auth))
+
+
+def test_build_is_409_while_running_and_404_with_reason_when_absent(client, auth, url):
+    job_id = _submit(client, auth).json()["id"]
+    resp = client.get(f"/v1/jobs/{job_id}/build", headers=auth)
+    assert resp.status_code == 409 and "built when the job succeeds" in resp.json()["detail"]
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        job.state, job.error = "failed", "no trial finished ok"
+    resp = client.get(f"/v1/jobs/{job_id}/build", headers=auth)
+    assert resp.status_code == 404 and "no trial finished ok" in resp.json()["detail"]
+
+
+def test_build_download_carries_its_checksum_and_filename(client, auth, url, tmp_path):
+    job_id = _submit(client, auth).json()["id"]
+    tarball = tmp_path / "7.tar.gz"
+    tarball.write_bytes(b"\x1f\x8b" + bytes(range(256)) * 40)
+    digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
+    with session_scope(url) as s:
+        s.get(Job, job_id).state = "succeeded"
+        s.add(
+            Build(
+                job_id=job_id, study_name="s", trial_number=7, path=str(tarball), sha256=digest, size_bytes=1
+            )
+        )
+    resp = client.get(f"/v1/jobs/{job_id}/build", headers=auth)
+    assert resp.status_code == 200
+    assert resp.headers["X-Checksum-Sha256"] == digest == hashlib.sha256(resp.content).hexdigest()
+    assert 'filename="7.tar.gz"' in resp.headers["Content-Disposition"]
+
+
+# ---- trials straight from Optuna's tables -------------------------------------------------------
+
+
+def _fill_study(url: str, name: str, n: int) -> None:
+    """A real Optuna study with `n` trials, inserted in bulk (the Optuna API would take minutes)."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution, distribution_to_json
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=name, storage=url, direction="maximize")
+    sid = study._study_id
+    mbs = distribution_to_json(CategoricalDistribution([1, 2, 4, 8]))
+    split = distribution_to_json(CategoricalDistribution(["dp1-tp1-pp1"]))
+    start = dt.datetime(2026, 1, 1)
+    trials, values, params, attrs = [], [], [], []
+    for i in range(n):
+        tid = i + 1
+        status = "oom" if i % 10 == 9 else "ok"
+        state = "FAIL" if status == "oom" else "COMPLETE"
+        trials.append(
+            {
+                "trial_id": tid,
+                "number": i,
+                "study_id": sid,
+                "state": state,
+                "datetime_start": start,
+                "datetime_complete": start + dt.timedelta(seconds=i % 20),
+            }
+        )
+        if state == "COMPLETE":
+            values.append({"trial_id": tid, "objective": 0, "value": float(i), "value_type": "FINITE"})
+        params += [
+            {
+                "trial_id": tid,
+                "param_name": "micro_batch_size",
+                "param_value": float(i % 4),
+                "distribution_json": mbs,
+            },
+            {"trial_id": tid, "param_name": "parallel", "param_value": 0.0, "distribution_json": split},
+        ]
+        attrs += [{"trial_id": tid, "key": "status", "value_json": json.dumps(status)},
+                  {"trial_id": tid, "key": "tokens_per_s", "value_json": json.dumps(float(i))}]  # fmt: skip
+    from optuna.storages._rdb import models as m
+
+    with get_engine(url).begin() as conn:
+        conn.execute(insert(m.TrialModel.__table__), trials)
+        conn.execute(insert(m.TrialValueModel.__table__), values)
+        conn.execute(insert(m.TrialParamModel.__table__), params)
+        conn.execute(insert(m.TrialUserAttributeModel.__table__), attrs)
+
+
+def test_trials_page_fast_over_ten_thousand_trials(client, auth, url):
+    job_id = _submit(client, auth).json()["id"]
+    with session_scope(url) as s:
+        s.get(Job, job_id).study_name = "big"
+    _fill_study(url, "big", 10_000)
+    base = f"/v1/jobs/{job_id}/trials"
+    client.get(base, headers=auth)  # warm the connection pool
+    t0 = time.perf_counter()
+    page = client.get(f"{base}?limit=50", headers=auth).json()
+    elapsed = time.perf_counter() - t0
+    print(f"GET one page of 10,000 trials: {elapsed * 1000:.0f} ms")
+    assert elapsed < 1.0, f"one page of 10,000 trials took {elapsed:.2f}s"
+    assert page["total"] == 10_000 and [t["number"] for t in page["items"]] == list(range(50))
+    first = page["items"][1]
+    assert first["config"]["micro_batch_size"] == 2 and first["status"] == "ok" and first["duration_s"] == 1.0
+    nxt = client.get(f"{base}?limit=50&cursor={page['next_cursor']}", headers=auth).json()
+    assert nxt["items"][0]["number"] == 50
+
+    fastest = client.get(f"{base}?limit=3&sort=-tokens_per_s", headers=auth).json()["items"]
+    assert [t["number"] for t in fastest] == [9998, 9997, 9996]
+    oom = client.get(f"{base}?status=oom&limit=500", headers=auth).json()
+    assert oom["total"] == 1000 and {t["status"] for t in oom["items"]} == {"oom"}
+    assert {t["state"] for t in oom["items"]} == {"fail"}
+    bad = client.get(f"{base}?sort=speed", headers=auth)
+    assert bad.status_code == 422 and "sort" in _fields(bad)
+
+    metrics = client.get("/metrics").text
+    assert 'tuner_trials{status="oom"} 1000' in metrics
+    assert "tuner_trial_duration_seconds_count 10000" in metrics
+    assert 'tuner_jobs{state="queued"} 1' in metrics
+
+
+# ---- events -------------------------------------------------------------------------------------
+
+
+def _sse(text: str) -> list[dict]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if not line.startswith(":"))
+        events.append({"id": int(fields["id"]), "event": fields["event"], "data": json.loads(fields["data"])})
+    return events
+
+
+def test_events_stream_until_done_and_resume_from_last_event_id(client, auth, url):
+    job_id = _submit(client, auth).json()["id"]
+    with session_scope(url) as s:
+        for n in range(3):
+            add_event(s, job_id, "trial_finished", {"trial": n, "done": n + 1, "total": 3})
+        add_event(s, job_id, "done", {"state": "succeeded"})
+        job = s.get(Job, job_id)
+        job.state, job.finished_at = "succeeded", utcnow()
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = _sse(resp.read().decode())
+    assert [e["event"] for e in events] == [
+        "queued",
+        "trial_finished",
+        "trial_finished",
+        "trial_finished",
+        "done",
+    ]
+    assert events[2]["data"]["trial"] == 1
+    resumed = client.get(f"/v1/jobs/{job_id}/events", headers={**auth, "Last-Event-ID": str(events[2]["id"])})
+    assert [e["data"].get("trial") for e in _sse(resumed.text)] == [2, None]
+
+
+def test_health_readiness_and_search_spaces(client, auth, url):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["checks"]["database"]["ok"]
+    spaces = {s["name"]: s for s in client.get("/v1/search-spaces", headers=auth).json()}
+    assert "cpu" in spaces and 1 in spaces["cpu"]["knobs"]["micro_batch_size"]
+    with _client(url, executor="ray", ray_address="127.0.0.1:1") as c:
+        resp = c.get("/readyz")
+        assert resp.status_code == 503 and "RAY_ADDRESS" in resp.json()["checks"]["executor"]["detail"]
+    assert client.get("/", follow_redirects=False).status_code in (302, 307)
