@@ -453,6 +453,7 @@ def local_tuner(
     executor: str = "local",
     storage_url: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    remeasure_top: int = 1,
 ) -> Tune:
     """Tune on this machine (or its Ray cluster) with `tuner.study.run_study`."""
 
@@ -460,21 +461,20 @@ def local_tuner(
         from tuner.devices import resolve_family
         from tuner.executors import make_executor
         from tuner.fingerprint import fingerprint, fingerprint_hash
-        from tuner.space import config_from_params
         from tuner.study import run_study
 
         fp = fingerprint(resolve_family(recipe.hardware.device))
         name = nightly_study_name(recipe, fp, night)
-        configs = [config_from_params(c) for c in enqueue]
+        queued = _enqueue_first(recipe, name, enqueue, storage_url)
         with make_executor(executor) as ex:
             summary = run_study(
                 recipe,
                 storage_url=storage_url,
                 executor=ex,
                 trials=trials,
-                enqueue=configs,
                 study_name=name,
-                progress=_study_progress(progress, trials),
+                remeasure_top=remeasure_top,
+                progress=_study_progress(progress),
             )
         best = summary.best
         return Tonight(
@@ -483,23 +483,45 @@ def local_tuner(
             fingerprint=fp,
             fingerprint_hash=fingerprint_hash(fp),
             study_name=summary.study_name,
-            trials=summary.n_trials,
+            trials=sum(n for status, n in summary.counts.items() if status not in ("waiting", "running")),
             remeasured_previous_tokens_per_s=_measured(summary.study_name, storage_url, enqueue[:1]),
-            warm_started=len(configs),
+            warm_started=queued,
             error=None if best else f"no trial succeeded ({_counts(summary.counts)})",
         )
 
     return tune
 
 
-def _study_progress(progress: Callable[[int, int], None] | None, trials: int):
+def _enqueue_first(recipe: Recipe, name: str, configs: list[dict[str, Any]], storage_url: str | None) -> int:
+    """Queue last night's configs before run_study opens the study: it queues its own baseline and
+    warm start first, and a small nightly budget could run out before reaching ours. Optuna runs
+    waiting trials in order, so last night's best is tonight's first trial (role previous_best)."""
+    if not configs:
+        return 0
+    import optuna
+
+    from tuner.space import config_from_params, trial_params
+    from tuner.storage import get_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    directions = ["maximize", "minimize"] if recipe.search.objective == "throughput_memory" else ["maximize"]
+    study = optuna.create_study(
+        study_name=name, storage=get_storage(storage_url), directions=directions, load_if_exists=True
+    )
+    for i, config in enumerate(configs):
+        role = "previous_best" if i == 0 else "previous_top"
+        params = trial_params(config_from_params(config))
+        study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=True)
+    return len(configs)
+
+
+def _study_progress(progress: Callable[[int, int], None] | None):
     if progress is None:
         return None
 
-    def on_event(*args: Any, **kwargs: Any) -> None:
-        done = kwargs.get("done", args[0] if args and isinstance(args[0], int) else None)
-        if done is not None:
-            progress(done, trials)
+    def on_event(event: dict[str, Any]) -> None:
+        if "done" in event:
+            progress(event["done"], event.get("total") or 0)
 
     return on_event
 

@@ -56,6 +56,12 @@ def nightly(
     top_k: int = typer.Option(
         3, "--top-k", min=1, help="How many of the previous night's best configs to measure first."
     ),
+    remeasure: int = typer.Option(
+        1,
+        "--remeasure",
+        min=0,
+        help="With --local: measure tonight's top N configs once more before judging.",
+    ),
     executor: str = typer.Option("local", "--executor", help="With --local: run trials as local or ray."),
     storage: str | None = typer.Option(
         None,
@@ -98,9 +104,10 @@ def nightly(
 
     def one_pass(for_night: dt.date) -> int:
         try:
+            _ensure_schema(storage)
             return _run_pass(
                 found, for_night, threshold, report, api=api, token=token, trials=trials,
-                top_k=top_k, executor=executor, storage=storage,
+                top_k=top_k, executor=executor, storage=storage, remeasure=remeasure,
             )  # fmt: skip
         except DatabaseError as err:
             fail(str(err))
@@ -122,7 +129,20 @@ def nightly(
         err_console.print(f"nightly pass finished with exit code {code}")
 
 
-def _run_pass(found, night, threshold, report_dir, *, api, token, trials, top_k, executor, storage) -> int:
+def _ensure_schema(storage: str | None) -> None:
+    """A local SQLite file gets its tables on first use; a shared server is migrated on purpose
+    (`tuner db upgrade`, the compose `migrate` service), never as a side effect of a cron job."""
+    from tuner.db import database_url
+    from tuner.migrations import upgrade
+
+    url = storage or database_url()
+    if url.startswith("sqlite"):
+        upgrade(url)
+
+
+def _run_pass(
+    found, night, threshold, report_dir, *, api, token, trials, top_k, executor, storage, remeasure
+) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tuner import nightly as nl
@@ -142,7 +162,12 @@ def _run_pass(found, night, threshold, report_dir, *, api, token, trials, top_k,
                 expected = None
             else:
                 tune = nl.local_tuner(
-                    night=night, trials=trials, executor=executor, storage_url=storage, progress=on_trial
+                    night=night,
+                    trials=trials,
+                    executor=executor,
+                    storage_url=storage,
+                    progress=on_trial,
+                    remeasure_top=remeasure,
                 )
                 expected = nl.local_fingerprint_hash(recipe)
             outcome = nl.run_recipe(
