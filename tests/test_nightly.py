@@ -74,10 +74,10 @@ def test_bad_threshold_names_the_option(text):
 def test_verdicts_use_the_threshold_both_ways():
     assert nl.judge(None, 100.0, 0.05) == ("failed", None)
     assert nl.judge(100.0, None, 0.05) == ("first_run", None)
-    assert nl.judge(90.0, 100.0, 0.05) == ("regressed", pytest.approx(-10.0))
+    assert nl.judge(90.0, 100.0, 0.05) == ("regression", pytest.approx(-10.0))
     assert nl.judge(97.0, 100.0, 0.05)[0] == "unchanged"
     assert nl.judge(110.0, 100.0, 0.05)[0] == "improved"
-    assert nl.judge(97.0, 100.0, 0.02)[0] == "regressed"
+    assert nl.judge(97.0, 100.0, 0.02)[0] == "regression"
 
 
 def test_history_one_row_per_night_and_rerun_replaces_it(db_url):
@@ -105,7 +105,7 @@ def test_warm_start_is_last_nights_best_and_regression_fails_the_run(db_url):
     tune = fixed(800.0, FP_A)
     out = run(db_url, NIGHT2, tune)
     assert tune.seen == [[{"micro_batch_size": 8, "dp": 1}]]
-    assert (out.verdict, out.previous_night, round(out.change_pct)) == ("regressed", NIGHT1, -20)
+    assert (out.verdict, out.previous_night, round(out.change_pct)) == ("regression", NIGHT1, -20)
     assert nl.exit_code([out]) == 1
 
 
@@ -133,11 +133,11 @@ def test_report_files_show_the_verdict_and_both_configs(db_url, tmp_path):
     out = run(db_url, NIGHT2, fixed(800.0, FP_B, mbs=4))
     md_path, json_path = nl.write_report([out], tmp_path / "rep", NIGHT2, 0.05)
     md = md_path.read_text()
-    assert "**REGRESSED**" in md and "-20.0%" in md and "1,000 (2026-11-27)" in md
+    assert "**REGRESSION**" in md and "-20.0%" in md and "1,000 (2026-11-27)" in md
     assert "| micro_batch_size | 8 | **4** |" in md
     assert "torch: 2.12.0 -> 2.13.0" in md
     doc = json.loads(json_path.read_text())
-    assert doc["exit_code"] == 1 and doc["verdicts"]["regressed"] == ["gpt-nightly"]
+    assert doc["exit_code"] == 1 and doc["verdicts"]["regression"] == ["gpt-nightly"]
     assert doc["recipes"][0]["previous_config"] == {"micro_batch_size": 8, "dp": 1}
 
 

@@ -49,7 +49,7 @@ def test_second_night_starts_from_the_first_best_and_reports_a_slowdown(tmp_path
 
     second = nightly(tmp_path, "2026-11-28", TUNER_TEST_STEP_DELAY_S="0.2")
     assert second.returncode == 1, second.stderr
-    assert "nightly-tiny: REGRESSED" in second.stderr
+    assert "nightly-tiny: REGRESSION" in second.stderr
 
     # Tonight's first trial re-measured last night's best config, marked as such.
     report = json.loads((tmp_path / "reports" / "nightly-2026-11-28.json").read_text())
@@ -61,11 +61,11 @@ def test_second_night_starts_from_the_first_best_and_reports_a_slowdown(tmp_path
     # ...and the same config is now slower: the machine regressed, not the search.
     assert line["remeasured_previous_tokens_per_s"] < best1 * 0.95
 
-    assert line["verdict"] == "regressed" and line["change_pct"] < -5
+    assert line["verdict"] == "regression" and line["change_pct"] < -5
     assert line["previous_best_tokens_per_s"] == pytest.approx(best1)
-    assert report["exit_code"] == 1 and report["verdicts"]["regressed"] == ["nightly-tiny"]
+    assert report["exit_code"] == 1 and report["verdicts"]["regression"] == ["nightly-tiny"]
     md = (tmp_path / "reports" / "nightly-2026-11-28.md").read_text()
-    assert "**REGRESSED**" in md and "2026-11-27" in md
+    assert "**REGRESSION**" in md and "2026-11-27" in md
     with session_scope(url) as s:
         rows = s.scalars(select(NightlyResult).order_by(NightlyResult.night)).all()
-        assert [r.verdict for r in rows] == ["first_run", "regressed"]
+        assert [r.verdict for r in rows] == ["first_run", "regression"]

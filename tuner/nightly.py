@@ -14,11 +14,12 @@ from typing import Any
 
 from tuner.recipe import Recipe, RecipeError, load_recipe
 
-# Verdicts, as stored in nightly_results.verdict and the JSON report.
+# Verdicts, as stored in nightly_results.verdict and the JSON report ("regression" is the word the
+# dashboard's history page looks for).
 IMPROVED, UNCHANGED, REGRESSED, FIRST_RUN, FAILED = (
     "improved",
     "unchanged",
-    "regressed",
+    "regression",
     "first_run",
     "failed",
 )

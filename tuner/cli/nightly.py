@@ -192,4 +192,4 @@ def _line(o) -> str:
     if o.change_pct is None:
         return f"first run, best {best}"
     fp = ", fingerprint changed" if o.fingerprint_changed else ""
-    return f"{o.verdict.upper() if o.verdict == 'regressed' else o.verdict}, best {best} ({o.change_pct:+.1f}%{fp})"
+    return f"{o.verdict.upper() if o.verdict == 'regression' else o.verdict}, best {best} ({o.change_pct:+.1f}%{fp})"
