@@ -19,7 +19,7 @@ from tuner.recipe import Recipe
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
 
 # The parallel split is one categorical so dp * tp * pp == devices always holds; dp, tp and pp
-# are also recorded as (single-choice) params so trial params keep the canonical knob names.
+# are also recorded as params (not sampled) so trial params keep the canonical knob names.
 SPLIT_PARAM = "parallel"
 _DEGREES = ("dp", "tp", "pp")
 
@@ -135,8 +135,9 @@ class SearchSpace:
         chosen: dict[str, Any] = dict(
             zip(_DEGREES, _parse_split(trial.suggest_categorical(SPLIT_PARAM, labels)), strict=True)
         )
+        degrees = _divisors(recipe.hardware.devices)
         for name in _DEGREES:
-            trial.suggest_categorical(name, [chosen[name]])
+            _record(trial, name, chosen[name], degrees)
         default = Config()
         for name in _ORDER:
             if _applies(name, chosen):
@@ -164,6 +165,19 @@ class SearchSpace:
         values = self.domains[name] if _applies(name, chosen) else (getattr(Config(), name),)
         for value in values:
             yield from self._expand({**chosen, name: value}, i + 1)
+
+
+def _record(trial: Any, name: str, value: Any, choices: list[Any]) -> None:
+    """Store a knob that follows from an earlier choice as a param, without sampling it.
+
+    Optuna has no public call for this; a fixed param is how `enqueue_trial` does the same. The
+    choices stay the same in every trial, since Optuna rejects a categorical whose choices change.
+    """
+    fixed = getattr(trial, "_fixed_params", None)
+    if fixed is not None:
+        fixed[name] = value
+    got = trial.suggest_categorical(name, choices)
+    assert got == value, f"{name}: recorded {got!r}, expected {value!r}"
 
 
 def trial_params(config: Config) -> dict[str, Any]:

@@ -1,0 +1,298 @@
+"""The study loop's logic, with an in-test executor whose "measurement" is a formula of the config.
+
+These are unit tests of the logic around the executor (ordering, pruning, duplicates, resume,
+winner selection); tests/test_study_real.py runs real studies with the real LocalExecutor.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tuner.config import Config, infeasible_reasons
+from tuner.devices import describe
+from tuner.executors.base import Executor
+from tuner.prune import verdict
+from tuner.recipe import recipe_from_dict
+from tuner.result import TrialResult, TrialSpec
+from tuner.space import config_from_params, load_space, trial_params
+from tuner.study import HEARTBEAT_KEY, OWNER_KEY, run_study
+from tuner.summary import summarize
+
+CPU = describe("cpu")
+
+
+def make_recipe(name: str, overrides: dict | None = None, **sections) -> object:
+    doc = {
+        "name": name,
+        "model": {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 2048},
+        "train": {"global_batch_size": 16},
+        "hardware": {"device": "cpu", "devices": 2},
+        "search": {"space": "cpu", "overrides": overrides or {}, **sections.pop("search", {})},
+        **sections,
+    }
+    return recipe_from_dict(doc)
+
+
+# Every knob pinned to one value but dp=2; a test widens the knobs it is about.
+NARROW = {
+    "micro_batch_size": [4], "dp": [2], "tp": [1], "pp": [1], "dp_shard": ["ddp"], "bucket_mb": [25],
+    "grad_compression": ["none"], "recompute": ["none"], "attention": ["flash"], "amp": ["O1"],
+    "compile": ["none"], "optimizer_impl": ["foreach"], "loader_workers": [0], "cpu_affinity": ["none"],
+}  # fmt: skip
+
+
+def fake_tokens(c: Config) -> float:
+    """A made-up but deterministic throughput: bigger batches, AMP and compile help."""
+    tps = 1000.0 * c.micro_batch_size**0.5
+    tps *= {"O0": 1.0, "O1": 1.3, "O2": 1.5}[c.amp]
+    tps *= 1.2 if c.compile == "default" else 1.0
+    tps *= 0.8 if c.recompute == "full" else 1.0
+    return tps
+
+
+class FakeExecutor(Executor):
+    """Finishes each trial at the next `wait`; `slots` trials may run at once."""
+
+    name = "fake"
+
+    def __init__(self, slots: int = 1, drift: dict[str, float] | None = None, fail_on=None):
+        self.slots = slots
+        self.drift = drift or {}  # amp level -> relative loss offset (a numerics bug)
+        self.fail_on = fail_on or (lambda c: None)
+        self.submitted: list[TrialSpec] = []
+        self.max_in_flight = 0
+        self._running: dict[str, TrialSpec] = {}
+
+    def free_slots(self, spec: TrialSpec) -> int:
+        return self.slots - len(self._running)
+
+    def submit(self, spec: TrialSpec) -> None:
+        assert self.free_slots(spec) > 0, "submitted without a free slot"
+        self.submitted.append(spec)
+        self._running[spec.tag] = spec
+        self.max_in_flight = max(self.max_in_flight, len(self._running))
+
+    def wait(self, timeout: float | None = None) -> list[TrialResult]:
+        out = []
+        for tag, spec in list(self._running.items()):
+            del self._running[tag]
+            c = Config(**spec.config)
+            status = self.fail_on(c)
+            if status:
+                out.append(TrialResult(status=status, error="boom", wall_s=1.0, tag=tag))
+                continue
+            tps = fake_tokens(c)
+            off = 1 + self.drift.get(c.amp, 0.0)
+            out.append(
+                TrialResult(
+                    status="ok",
+                    tokens_per_s=tps,
+                    step_time_s=1.0 / tps,
+                    step_time_spread=0.01,
+                    peak_mem_reserved_bytes=1000 * c.micro_batch_size,
+                    losses=[7.6 * off, 7.5 * off, 7.4 * off],
+                    wall_s=2.0,
+                    measured_s=0.5,
+                    tag=tag,
+                )
+            )
+        return out
+
+    def running(self) -> list[str]:
+        return list(self._running)
+
+    def cancel(self) -> None:
+        self._running.clear()
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"sqlite:///{tmp_path}/study.db"
+
+
+@pytest.fixture
+def tune(url, tmp_path):
+    """run_study with this test's database and folder; random sampling and no re-measure unless asked."""
+
+    def _tune(recipe, executor=None, **kw):
+        kw = {"sampler": "random", "remeasure_top": 0, **kw}
+        return run_study(recipe, storage_url=url, executor=executor or FakeExecutor(), workdir=tmp_path, **kw)
+
+    return _tune
+
+
+def trials_of(summary, url):
+    return optuna.load_study(study_name=summary.study_name, storage=url).get_trials(deepcopy=False)
+
+
+def test_baseline_then_reference_run_first_and_nothing_infeasible_reaches_the_executor(tune, url):
+    recipe = make_recipe("order")
+    ex = FakeExecutor()
+    summary = tune(recipe, ex, trials=8)
+    trials = trials_of(summary, url)
+    assert trials[0].user_attrs["role"] == "baseline"
+    base = config_from_params(trials[0].params)
+    # Largest micro-batch that divides the global batch over dp=2, AMP O1 bf16, flash, no recompute.
+    got = (base.micro_batch_size, base.dp, base.amp, base.attention, base.recompute)
+    assert got == (8, 2, "O1", "flash", "none")
+    assert trials[1].user_attrs["role"] == "fp32_reference"
+    assert config_from_params(trials[1].params).amp == "O0"
+    for spec in ex.submitted:
+        assert not infeasible_reasons(Config(**spec.config), recipe, CPU)
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    assert pruned and all(t.user_attrs["pruned_reason"] for t in pruned)
+    measured = [Config(**s.config).key() for s in ex.submitted]
+    assert len(measured) == len(set(measured)), "a config reached the device twice"
+    assert summary.n_trials == 8 and sum(summary.counts.values()) == 8
+    assert summary.best["tokens_per_s"] == max(e["tokens_per_s"] for e in summary.top_k)
+    assert summary.baseline["trial"] == 0 and summary.speedup >= 1.0
+
+
+def test_conditional_knobs_are_absent_from_params_when_they_do_not_apply(tune, url):
+    summary = tune(make_recipe("cond"), trials=8)
+    for t in trials_of(summary, url):
+        p = t.params
+        assert ("pp_schedule" in p) == (p["pp"] > 1)
+        assert ("dp_shard" in p) == (p["dp"] > 1)
+        assert ("bucket_mb" in p) == ("grad_compression" in p) == (p["dp"] > 1 and p.get("dp_shard") == "ddp")
+        assert ("amp_dtype" in p) == (p["amp"] != "O0")
+
+
+def test_predicted_oom_configs_are_pruned_before_the_executor(tune, url):
+    # 0.2 GiB: the estimator rules out micro_batch_size 8 of this model with no recompute.
+    hardware = {"device": "cpu", "devices": 2, "memory_budget_gb": 0.2}
+    recipe = make_recipe("oom", hardware=hardware, overrides={**NARROW, "micro_batch_size": [4, 8]})
+    ex = FakeExecutor()
+    summary = tune(recipe, ex, trials=6)
+    assert ex.submitted and all(verdict(Config(**s.config), recipe, CPU).reason is None for s in ex.submitted)
+    reasons = [t.user_attrs.get("pruned_reason", "") for t in trials_of(summary, url)]
+    assert any(r.startswith("predicted out of memory") for r in reasons)
+
+
+def test_loss_drift_beyond_the_amp_tolerance_cannot_win(tune):
+    # O2 is the fastest in the fake, but its losses are 5% off the fp32 reference.
+    recipe = make_recipe("drift", overrides={**NARROW, "amp": ["O0", "O1", "O2"]})
+    summary = tune(recipe, FakeExecutor(drift={"O2": 0.05}), trials=6)
+    assert [e["config"]["amp"] for e in summary.flagged] == ["O2"]
+    assert "loss drifts 5.0% from the fp32 reference" in summary.flagged[0]["flag"]
+    assert summary.best["config"]["amp"] == "O1"
+
+
+def test_remeasured_top_configs_keep_one_complete_trial_each(tune, url):
+    ex = FakeExecutor()
+    recipe = make_recipe("again", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+    summary = tune(recipe, ex, trials=6, remeasure_top=2)
+    assert len([s for s in ex.submitted if s.tag.startswith("remeasure")]) == 2
+    assert len(summary.best["remeasured_tokens_per_s"]) == 1
+    complete = [t for t in trials_of(summary, url) if t.state == TrialState.COMPLETE]
+    assert len({t.user_attrs["config_key"] for t in complete}) == len(complete)
+    # Rerunning with the budget spent measures nothing new.
+    ex2 = FakeExecutor()
+    tune(recipe, ex2, trials=6, remeasure_top=2)
+    assert ex2.submitted == []
+
+
+def test_equal_configs_are_reported_as_a_tie(tune):
+    # loader_workers does not change the fake's speed: the two configs are equally fast.
+    recipe = make_recipe("tie", overrides={**NARROW, "loader_workers": [0, 1]})
+    summary = tune(recipe, trials=10, sampler="grid")
+    assert summary.tie and summary.runner_up is not None
+    assert summary.best["tokens_per_s"] == summary.runner_up["tokens_per_s"]
+
+
+def test_grid_sampler_measures_each_config_of_a_narrow_space_once(tune):
+    recipe = make_recipe("grid", overrides={**NARROW, "micro_batch_size": [2, 4], "amp": ["O0", "O1"]})
+    ex = FakeExecutor()
+    summary = tune(recipe, ex, trials=50, sampler="grid")
+    assert summary.counts == {"ok": 4}
+    assert len(ex.submitted) == 4
+
+
+def test_concurrent_executor_slots_are_all_used(tune):
+    ex = FakeExecutor(slots=3)
+    tune(make_recipe("slots", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]}), ex, trials=6)
+    assert ex.max_in_flight == 3
+
+
+def test_patience_and_should_stop_end_the_study_early(tune):
+    recipe = make_recipe("patience", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+    assert tune(recipe, trials=100, patience=3).n_trials < 10
+    events = []
+    summary = tune(
+        make_recipe("stop"),
+        trials=100,
+        progress=events.append,
+        should_stop=lambda: sum(e["event"] == "trial_finished" for e in events) >= 3,
+    )
+    assert 3 <= summary.n_trials < 6
+    assert {"trial_started", "trial_finished", "new_best", "done"} <= {e["event"] for e in events}
+    assert all(e["total"] == 100 for e in events)
+
+
+def test_failed_trials_keep_their_error_and_the_loop_goes_on(tune):
+    ex = FakeExecutor(fail_on=lambda c: "oom" if c.micro_batch_size >= 4 else None)
+    summary = tune(make_recipe("fail", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]}), ex, trials=6)
+    assert summary.counts.get("oom", 0) >= 1 and summary.counts.get("ok", 0) >= 1
+    assert summary.best["config"]["micro_batch_size"] < 4
+    assert (
+        summary.device_seconds["oom"] > 0 and summary.device_seconds["total"] >= summary.device_seconds["oom"]
+    )
+
+
+def test_multi_objective_gives_a_pareto_front(tune):
+    recipe = make_recipe(
+        "pareto",
+        search={"objective": "throughput_memory"},
+        overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]},
+    )
+    summary = tune(recipe, trials=6, sampler="tpe")
+    assert summary.study_name.endswith("-pareto")
+    assert summary.pareto and summary.best["trial"] in {e["trial"] for e in summary.pareto}
+
+
+def test_warm_start_enqueues_the_best_configs_of_the_most_similar_study(tune, url):
+    first = tune(
+        make_recipe("warm-a", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8], "amp": ["O0", "O1"]}),
+        trials=6,
+    )
+    bigger = make_recipe(
+        "warm-b", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8], "amp": ["O0", "O1"]}
+    )
+    bigger = bigger.model_copy(update={"model": bigger.model.model_copy(update={"layers": 8})})
+    second = tune(bigger, trials=4)
+    warm = [t for t in trials_of(second, url) if t.user_attrs.get("role") == "warm_start"]
+    # The earlier best is the new study's baseline already; the runners-up come next.
+    assert warm and config_from_params(warm[0].params).active_params() in [e["config"] for e in first.top_k]
+
+
+def test_running_trial_of_a_dead_driver_is_failed_and_its_config_retried(tune, url):
+    recipe = make_recipe("resume", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+    first = tune(recipe, trials=3)
+    # A driver that asked for a trial and died (its pid no longer exists) before telling it.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    study = optuna.load_study(study_name=first.study_name, storage=url)
+    lost = Config(micro_batch_size=1, dp=2, amp="O1", attention="flash")
+    study.enqueue_trial(trial_params(lost))
+    orphan = study.ask()
+    load_space("cpu").narrow(recipe.search.overrides).suggest(orphan, recipe, CPU)
+    owner = {"host": socket.gethostname(), "pid": dead.pid, "id": "gone"}
+    study._storage.set_trial_system_attr(orphan._trial_id, OWNER_KEY, owner)
+    study._storage.set_trial_system_attr(orphan._trial_id, HEARTBEAT_KEY, time.time())
+
+    summary = tune(recipe, trials=4)
+    trials = trials_of(summary, url)
+    assert trials[orphan.number].state == TrialState.FAIL and trials[orphan.number].user_attrs["driver_died"]
+    retried = [t for t in trials if t.user_attrs.get("retry_of") == orphan.number]
+    assert len(retried) == 1 and retried[0].state == TrialState.COMPLETE
+    assert config_from_params(retried[0].params).key() == lost.key()
+    # The dead driver's trial does not count against the budget of 4.
+    assert len([t for t in trials if t.state != TrialState.FAIL]) == 4
+    assert summarize(summary.study_name, url).counts["failed"] == 1

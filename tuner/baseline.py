@@ -1,0 +1,55 @@
+"""The baseline config a study measures first: what a careful user would try by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tuner.config import Config
+from tuner.devices import DeviceInfo
+from tuner.prune import verdict
+from tuner.recipe import Recipe
+from tuner.space import SearchSpace
+
+# Attention kernels in order of preference: the fused, memory-efficient kernel of each family.
+_FAST_ATTENTION = ("flash", "npu_fusion", "efficient", "cudnn")
+
+
+def _pick(space: SearchSpace, name: str, preferred: list[Any]) -> Any:
+    domain = space.domains[name] or ()
+    for value in preferred:
+        if value in domain:
+            return value
+    return domain[0] if domain else getattr(Config(), name)
+
+
+def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> Config:
+    """Largest micro-batch that fits (per the estimator), no recompute, flash attention where
+    available, AMP O1 with bf16 where supported, dp over all devices, other knobs at defaults."""
+    devices = recipe.hardware.devices
+    splits = space.splits(devices)
+    dp, tp, pp = (devices, 1, 1) if (devices, 1, 1) in splits else max(splits, default=(devices, 1, 1))
+    default = Config()
+    values = {
+        name: _pick(space, name, [getattr(default, name)])
+        for name in default.to_dict()
+        if name not in ("dp", "tp", "pp")
+    }
+    attention = [a for a in _FAST_ATTENTION if a in device.attention_backends] + ["math"]
+    values.update(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        recompute=_pick(space, "recompute", ["none"]),
+        attention=_pick(space, "attention", attention),
+    )
+    if "bf16" in device.amp_dtypes and "bf16" in (space.domains["amp_dtype"] or ()):
+        values.update(amp=_pick(space, "amp", ["O1"]), amp_dtype="bf16")
+    else:
+        values.update(amp=_pick(space, "amp", ["O0"]))
+    sizes = sorted(space.domains["micro_batch_size"] or (1,), reverse=True)
+    candidates = [Config(**{**values, "micro_batch_size": m}) for m in sizes]
+    for config in candidates:
+        if verdict(config, recipe, device).reason is None:
+            return config
+    # Nothing fits: the smallest micro-batch is the honest baseline; the study prunes it.
+    return candidates[-1]

@@ -1,0 +1,524 @@
+"""The Optuna study: an ask/tell loop that keeps an executor's free slots busy, prunes what needs
+no device time, survives a killed driver, and re-measures the top configs before naming a winner.
+
+The driver is the only writer to the storage; trial processes only write their result files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from tuner.baseline import baseline_config
+from tuner.config import Config
+from tuner.devices import describe, resolve_family
+from tuner.executors.base import Executor
+from tuner.fingerprint import fingerprint, fingerprint_hash
+from tuner.prune import verdict
+from tuner.recipe import Recipe
+from tuner.result import RESULT_KEYS, TrialResult, TrialSpec
+from tuner.space import SearchSpace, config_from_params, load_space, trial_params
+from tuner.storage import default_storage_url, get_storage
+from tuner.summary import REMEASURED_PREFIX, StudySummary, build_summary
+
+# Optuna's own heartbeat needs `study.optimize`; with ask/tell the driver records liveness itself.
+HEARTBEAT_KEY = "tuner:heartbeat"
+OWNER_KEY = "tuner:owner"
+HEARTBEAT_INTERVAL_S = 5.0
+STALE_AFTER_S = 60.0
+
+# Every trial of a study uses the same model init and data, so losses compare across configs.
+TRIAL_SEED = 0
+
+# Evidence kept with each trial besides the public result keys.
+_EVIDENCE_KEYS = (
+    "error_kind",
+    "losses",
+    "step_times",
+    "wall_s",
+    "measured_s",
+    "breakdown",
+    "log_path",
+    "log_tail",
+    "node",
+)
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+def study_name(recipe: Recipe, fp: dict[str, Any]) -> str:
+    """`<recipe name>-<recipe hash>-<fingerprint hash>`; a Pareto study gets `-pareto` too,
+    since it has two objectives and cannot share trials with a throughput-only study."""
+    name = f"{recipe.name}-{recipe.hash()}-{fingerprint_hash(fp)}"
+    return name + "-pareto" if recipe.search.objective == "throughput_memory" else name
+
+
+def make_sampler(name: str, seed: int, multi_objective: bool) -> optuna.samplers.BaseSampler:
+    """A seeded sampler. `grid` is random sampling underneath; the driver enqueues the grid."""
+    if name == "cmaes" and multi_objective:
+        raise ValueError(
+            "search.sampler: cmaes has one objective; use tpe, gp or random for throughput_memory"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if name == "tpe":
+            # group + multivariate model the conditional knobs jointly; constant_liar keeps
+            # concurrent asks from all landing on the same config.
+            return optuna.samplers.TPESampler(
+                seed=seed,
+                multivariate=True,
+                group=True,
+                constant_liar=True,
+                n_startup_trials=5,
+            )
+        if name == "gp":
+            return optuna.samplers.GPSampler(seed=seed, n_startup_trials=5, warn_independent_sampling=False)
+        if name == "cmaes":
+            # CMA-ES handles numeric knobs only; the categorical ones are sampled at random.
+            return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+        if name in ("random", "grid"):
+            return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"--sampler: unknown sampler {name!r}; use tpe, gp, cmaes, random or grid")
+
+
+def _owner_alive(owner: dict[str, Any] | None, heartbeat: float | None, started: float) -> bool:
+    """Whether the driver that owns a RUNNING trial may still be working on it."""
+    if owner and owner.get("host") == socket.gethostname():
+        pid = owner.get("pid", -1)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        try:  # a killed child that its parent has not reaped yet is a zombie: dead
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+        except (OSError, IndexError):
+            pass
+    last = heartbeat if heartbeat is not None else started
+    return time.time() - last < STALE_AFTER_S
+
+
+@dataclass
+class _Pending:
+    trial: optuna.trial.Trial
+    config: Config
+    spec: TrialSpec
+    role: str | None
+
+
+class _Driver:
+    def __init__(self, recipe: Recipe, storage_url: str, executor: Executor, opts: dict[str, Any]):
+        self.recipe = recipe
+        self.url = storage_url
+        self.executor = executor
+        self.o = opts
+        self.family = resolve_family(recipe.hardware.device)
+        self.device = describe(self.family)
+        self.fp = fingerprint(self.family)
+        self.name = opts["study_name"] or study_name(recipe, self.fp)
+        self.space: SearchSpace = load_space(recipe.search.space or self.family).narrow(
+            recipe.search.overrides
+        )
+        self.storage = get_storage(storage_url)
+        self.multi = recipe.search.objective == "throughput_memory"
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
+        self.pending: dict[str, _Pending] = {}
+        self.workdir = Path(opts["workdir"] or "runs") / self.name
+        self.progress: Progress = opts["progress"] or (lambda _event: None)
+        self.should_stop = opts["should_stop"] or (lambda: False)
+        self._grid: list[Config] | None = None
+
+    # ---- opening and resuming -------------------------------------------------------------
+
+    def open(self) -> None:
+        directions = ["maximize", "minimize"] if self.multi else ["maximize"]
+        probe = optuna.create_study(
+            study_name=self.name, storage=self.storage, directions=directions, load_if_exists=True
+        )
+        n_before = len(probe.get_trials(deepcopy=False))
+        # Offset the seed by the history so a resumed random/grid search does not replay itself.
+        sampler = make_sampler(self.o["sampler"], self.o["seed"] + n_before, self.multi)
+        self.study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
+        if "recipe" not in self.study.user_attrs:
+            self._first_open()
+        for config in self.o["enqueue"]:
+            self._enqueue(config, "enqueued")
+        self._recover(self.study.get_trials(deepcopy=False))
+
+    def _first_open(self) -> None:
+        for key, value in {
+            "recipe": self.recipe.to_dict(),
+            "recipe_hash": self.recipe.hash(),
+            "fingerprint": self.fp,
+            "fingerprint_hash": fingerprint_hash(self.fp),
+            "space": self.space.name,
+            "objective": self.recipe.search.objective,
+        }.items():
+            self.study.set_user_attr(key, value)
+        base = baseline_config(self.recipe, self.device, self.space)
+        self._enqueue(base, "baseline")
+        if base.amp != "O0" and "O0" in (self.space.domains["amp"] or ()):
+            # The fp32 run every low-precision config's losses are checked against.
+            self._enqueue(Config(**{**base.to_dict(), "amp": "O0"}), "fp32_reference")
+        for config in self._warm_start_configs():
+            self._enqueue(config, "warm_start")
+
+    def _enqueue(self, config: Config, role: str) -> bool:
+        if not self.space.contains(config, self.recipe.hardware.devices):
+            return False
+        if verdict(config, self.recipe, self.device).reason is not None:
+            return False
+        self.study.enqueue_trial(trial_params(config), user_attrs={"role": role}, skip_if_exists=True)
+        return True
+
+    def _warm_start_configs(self, top: int = 3) -> list[Config]:
+        """Best configs of the most similar earlier study (by model shape) on this fingerprint."""
+        mine = self.recipe.model
+        best_study, best_distance = None, math.inf
+        for s in optuna.get_all_study_summaries(self.storage, include_best_trial=False):
+            attrs = s.user_attrs
+            other = attrs.get("recipe") or {}
+            if s.study_name == self.name or attrs.get("fingerprint_hash") != fingerprint_hash(self.fp):
+                continue
+            if other.get("hardware", {}).get("devices") != self.recipe.hardware.devices:
+                continue
+            shape = other.get("model", {})
+            try:
+                distance = sum(
+                    abs(math.log(shape[k] / getattr(mine, k)))
+                    for k in ("layers", "hidden", "heads", "seq_len", "vocab")
+                )
+            except (KeyError, TypeError, ZeroDivisionError, ValueError):
+                continue
+            if distance < best_distance:
+                best_study, best_distance = s.study_name, distance
+        if best_study is None:
+            return []
+        old = optuna.load_study(study_name=best_study, storage=self.storage)
+        done = [t for t in old.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
+        done.sort(key=lambda t: -t.values[0])
+        return [config_from_params(t.params) for t in done[:top]]
+
+    def _recover(self, trials: list[FrozenTrial]) -> None:
+        """Fail RUNNING trials whose driver is gone and queue their configs again."""
+        for t in trials:
+            if t.state != TrialState.RUNNING:
+                continue
+            owner = t.system_attrs.get(OWNER_KEY)
+            if owner and owner.get("id") == self.owner["id"]:
+                continue
+            started = t.datetime_start.timestamp() if t.datetime_start else time.time()
+            if _owner_alive(owner, t.system_attrs.get(HEARTBEAT_KEY), started):
+                continue
+            self.storage.set_trial_user_attr(t._trial_id, "driver_died", True)
+            if self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+                role = t.user_attrs.get("role") or "retry"
+                self.study.enqueue_trial(t.params, user_attrs={"role": role, "retry_of": t.number})
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def _refresh(self) -> list[FrozenTrial]:
+        """One read of the study per loop turn: budget count, measured configs, best so far."""
+        trials = self.study.get_trials(deepcopy=False)
+        # A trial a dead or cancelled driver left does not count: its config runs again.
+        self.finished = [
+            t
+            for t in trials
+            if t.state.is_finished()
+            and not (t.user_attrs.get("driver_died") or t.user_attrs.get("cancelled"))
+        ]
+        self.done = len(self.finished)
+        self.measured = {
+            t.user_attrs["config_key"]: t.number
+            for t in self.finished
+            if t.state in (TrialState.COMPLETE, TrialState.FAIL) and "status" in t.user_attrs
+        }
+        ok = [t.user_attrs.get("tokens_per_s") for t in self.finished if t.state == TrialState.COMPLETE]
+        self.best = max((v for v in ok if v is not None), default=None)
+        return trials
+
+    def _stagnant(self) -> bool:
+        patience = self.o["patience"]
+        if not patience:
+            return False
+        best, since = -math.inf, 0
+        for t in sorted(self.finished, key=lambda t: t.number):
+            tps = t.user_attrs.get("tokens_per_s") if t.state == TrialState.COMPLETE else None
+            if tps is not None and tps > best:
+                best, since = tps, 0
+            else:
+                since += 1
+        return since >= patience
+
+    def _next_grid_config(self, trials: list[FrozenTrial]) -> bool:
+        """Grid search: queue the next untried config of the (seeded, shuffled) enumeration."""
+        if self._grid is None:
+            self._grid = list(self.space.configs(self.recipe, self.device))
+            random.Random(self.o["seed"]).shuffle(self._grid)
+        if any(t.state == TrialState.WAITING for t in trials):
+            return True
+        tried = {t.user_attrs.get("config_key") for t in trials}
+        while self._grid:
+            config = self._grid.pop()
+            if config.key() not in tried and self._enqueue(config, "grid"):
+                return True
+        return False
+
+    def loop(self) -> str:
+        """Run trials until a budget runs out; returns why it stopped."""
+        deadline = time.monotonic() + self.o["timeout_s"] if self.o["timeout_s"] else math.inf
+        probe = self._spec(Config(dp=self.recipe.hardware.devices), "probe")
+        reason = "budget"
+        while True:
+            trials = self._refresh()
+            can_ask = True
+            if self.should_stop():
+                self._cancel_pending()
+                return "cancelled"
+            if self.done + len(self.pending) >= self.o["trials"]:
+                can_ask, reason = False, "trials"
+            elif time.monotonic() > deadline:
+                can_ask, reason = False, "timeout"
+            elif self._stagnant():
+                can_ask, reason = False, "patience"
+            elif self.o["sampler"] == "grid" and not self._next_grid_config(trials):
+                can_ask, reason = False, "grid exhausted"
+            if can_ask:
+                self._recover(trials)
+                if self.executor.free_slots(probe) > 0:
+                    self._start_one()
+                    continue
+            if not self.pending:
+                if can_ask:  # free_slots said 0 with nothing of ours running: someone else's
+                    time.sleep(HEARTBEAT_INTERVAL_S)
+                    continue
+                return reason
+            for result in self.executor.wait(timeout=HEARTBEAT_INTERVAL_S):
+                self._finish(result)
+            self._beat()
+
+    def _spec(self, config: Config, tag: str, est: int | None = None, budget: int | None = None) -> TrialSpec:
+        return TrialSpec(
+            recipe=self.recipe.to_dict(),
+            config=config.to_dict(),
+            family=self.family,
+            # The run id keeps a rerun from finding an earlier run's files in the same folder.
+            workdir=str((self.workdir / f"trial-{tag}-{self.owner['id'][:8]}").resolve()),
+            timeout_s=self.recipe.measure.timeout_s,
+            estimated_peak_mem_bytes=est,
+            memory_budget_bytes=budget,
+            seed=TRIAL_SEED,
+            tag=tag,
+        )
+
+    def _beat(self) -> None:
+        now = time.time()
+        for p in self.pending.values():
+            self.storage.set_trial_system_attr(p.trial._trial_id, HEARTBEAT_KEY, now)
+
+    def _event(self, event: str, **fields: Any) -> None:
+        self.progress({"event": event, "done": self.done, "total": self.o["trials"], **fields})
+
+    def _start_one(self) -> None:
+        trial = self.study.ask()
+        self.storage.set_trial_system_attr(trial._trial_id, OWNER_KEY, self.owner)
+        self.storage.set_trial_system_attr(trial._trial_id, HEARTBEAT_KEY, time.time())
+        role = trial.user_attrs.get("role")
+        try:
+            config = self.space.suggest(trial, self.recipe, self.device)
+        except ValueError as err:  # an enqueued config that the (narrowed) space no longer has
+            trial.set_user_attr("error", f"config outside the search space: {err}")
+            self.study.tell(trial, state=TrialState.FAIL)
+            return
+        key = config.key()
+        trial.set_user_attr("config_key", key)
+        self._event("trial_started", trial=trial.number, config=config.active_params(), role=role)
+        v = verdict(config, self.recipe, self.device)
+        duplicate = self._measured_twin(key)
+        if v.reason is not None:
+            self._prune(trial, config, v.reason)
+        elif duplicate is not None:
+            trial.set_user_attr("duplicate_of", duplicate)
+            self._prune(trial, config, f"duplicate of trial {duplicate}; its result is reused, no device run")
+        else:
+            if v.estimated_peak_mem_bytes is not None:
+                trial.set_user_attr("estimated_peak_mem_bytes", v.estimated_peak_mem_bytes)
+            spec = self._spec(config, str(trial.number), v.estimated_peak_mem_bytes, v.memory_budget_bytes)
+            self.executor.submit(spec)
+            self.pending[spec.tag] = _Pending(trial, config, spec, role)
+
+    def _measured_twin(self, key: str) -> int | None:
+        """The trial that already measured (or is measuring) this config, if any."""
+        for p in self.pending.values():
+            if p.config.key() == key:
+                return p.trial.number
+        return self.measured.get(key)
+
+    def _prune(self, trial: optuna.trial.Trial, config: Config, reason: str) -> None:
+        trial.set_user_attr("status", "pruned")
+        trial.set_user_attr("pruned_reason", reason)
+        self.study.tell(trial, state=TrialState.PRUNED)
+        self.done += 1
+        self._event(
+            "trial_finished",
+            trial=trial.number,
+            config=config.active_params(),
+            result={"status": "pruned", "error": reason},
+            best_tokens_per_s=self.best,
+        )
+
+    def _finish(self, result: TrialResult) -> None:
+        p = self.pending.pop(result.tag, None)
+        if p is None:
+            return
+        trial, before = p.trial, self.best
+        record = {k: getattr(result, k) for k in (*RESULT_KEYS, *_EVIDENCE_KEYS)}
+        record["device_seconds"] = (result.wall_s or 0.0) * p.config.world_size
+        try:
+            for key, value in record.items():
+                if value is not None:
+                    trial.set_user_attr(key, value)
+            ok = result.status == "ok" and result.tokens_per_s and math.isfinite(result.tokens_per_s)
+            if ok:
+                peak = result.peak_mem_reserved_bytes or result.peak_mem_allocated_bytes
+                budget = p.spec.memory_budget_bytes
+                if peak is not None and budget:
+                    # Feasible when <= 0: a config over the memory budget can never be the best.
+                    trial.set_constraint("memory", (peak - budget) / budget)
+                values = [result.tokens_per_s, float(peak or 0)] if self.multi else result.tokens_per_s
+                self.study.tell(trial, values)
+            else:
+                self.study.tell(trial, state=TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return  # another driver judged us dead and failed this trial; it is being retried
+        self.done += 1
+        self.measured[p.config.key()] = trial.number
+        if ok and (before is None or result.tokens_per_s > before):
+            self.best = result.tokens_per_s
+        fields = {"trial": trial.number, "config": p.config.active_params(), "result": result.public()}
+        self._event("trial_finished", **fields, best_tokens_per_s=self.best)
+        if self.best != before:
+            self._event("new_best", **fields, best_tokens_per_s=self.best)
+
+    def _cancel_pending(self) -> None:
+        """Stop running trials; their configs go back in the queue for the next run."""
+        self.executor.cancel()
+        for p in self.pending.values():
+            try:
+                p.trial.set_user_attr("cancelled", True)
+                self.study.tell(p.trial, state=TrialState.FAIL)
+                self.study.enqueue_trial(p.trial.params, user_attrs={"role": p.role or "retry"})
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass
+        self.pending.clear()
+
+    # ---- before naming a winner -------------------------------------------------------------
+
+    def remeasure(self, top: int) -> None:
+        """Measure the top configs again; a winner should not be one lucky run."""
+        if top <= 0:
+            return
+        complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        ranked = sorted(
+            (t for t in complete if t.user_attrs.get("tokens_per_s")),
+            key=lambda t: -t.user_attrs["tokens_per_s"],
+        )[:top]
+        done = self.study.user_attrs
+        todo = [t for t in ranked if f"{REMEASURED_PREFIX}{t.number}" not in done]
+        waiting: dict[str, FrozenTrial] = {}
+        while (todo or waiting) and not self.should_stop():
+            while todo:
+                spec = self._spec(config_from_params(todo[0].params), f"remeasure-{todo[0].number}")
+                if self.executor.free_slots(spec) <= 0:
+                    break
+                self.executor.submit(spec)
+                waiting[spec.tag] = todo.pop(0)
+            for result in self.executor.wait(timeout=HEARTBEAT_INTERVAL_S):
+                t = waiting.pop(result.tag, None)
+                if t is None:
+                    continue
+                cost = (result.wall_s or 0.0) * self.recipe.hardware.devices
+                spent = self.study.user_attrs.get("remeasure_device_seconds", 0.0)
+                self.study.set_user_attr("remeasure_device_seconds", spent + cost)
+                # Finished trials are read-only in Optuna, so re-measurements live on the study,
+                # keyed by the original trial's number (see tuner.summary).
+                value = [result.tokens_per_s] if result.status == "ok" and result.tokens_per_s else []
+                self.study.set_user_attr(f"{REMEASURED_PREFIX}{t.number}", value)
+        if waiting:
+            self.executor.cancel()
+
+
+def run_study(
+    recipe: Recipe,
+    *,
+    storage_url: str | None = None,
+    executor: Executor | None = None,
+    trials: int | None = None,
+    timeout_s: float | None = None,
+    patience: int | None = None,
+    sampler: str | None = None,
+    seed: int | None = None,
+    enqueue: Iterable[Config] = (),
+    progress: Progress | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    remeasure_top: int = 3,
+    workdir: str | Path | None = None,
+    study_name: str | None = None,
+) -> StudySummary:
+    """Tune `recipe`: create or resume its study, run trials, re-measure the top, summarise.
+
+    Budgets count the whole study, so re-running after an interruption continues where it
+    stopped: `trials` is the study's total (pruned trials count), `timeout_s` bounds this run.
+    `study_name` overrides the default name (e.g. the nightly's own study per night).
+    """
+    s = recipe.search
+    url = storage_url or default_storage_url()
+    opts = {
+        "trials": trials if trials is not None else s.trials,
+        "timeout_s": timeout_s if timeout_s is not None else s.timeout_min * 60,
+        "patience": patience if patience is not None else s.patience,
+        "sampler": sampler or s.sampler,
+        "seed": seed if seed is not None else s.seed,
+        "enqueue": list(enqueue),
+        "progress": progress,
+        "should_stop": should_stop,
+        "workdir": workdir,
+        "study_name": study_name,
+    }
+    owned = executor is None
+    if executor is None:
+        from tuner.executors import make_executor
+
+        executor = make_executor("local")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    driver = _Driver(recipe, url, executor, opts)
+    try:
+        driver.open()
+        driver._refresh()
+        why = driver.loop()
+        if why != "cancelled":
+            driver.remeasure(remeasure_top)
+    except BaseException:
+        # Ctrl-C or a crash: running trials are stopped and their configs re-queued for a rerun.
+        driver._cancel_pending()
+        raise
+    finally:
+        if owned:
+            executor.close()
+    summary = build_summary(driver.study, url)
+    driver._event("done", reason=why, summary=summary.to_dict(), best_tokens_per_s=driver.best)
+    return summary
