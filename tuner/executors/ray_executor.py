@@ -13,6 +13,7 @@ Placement decisions:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -131,7 +132,7 @@ def _run_on_node(spec_dict: dict[str, Any], env: dict[str, str] | None, lease_di
                 where,
             ).to_dict()
             return
-    stop = threading.Event()
+    stop, done = threading.Event(), threading.Event()
     box: dict[str, TrialResult] = {}
 
     def target() -> None:
@@ -139,17 +140,19 @@ def _run_on_node(spec_dict: dict[str, Any], env: dict[str, str] | None, lease_di
             box["result"] = run_trial(spec, env=env, cpus=lease.cores if lease else None, stop=stop)
         except Exception as err:  # noqa: BLE001 - a runner bug must still come back as a result
             box["result"] = _error(spec, type(err).__name__, f"trial runner failed: {err}", where)
+        finally:
+            done.set()
 
     # The trial runs in a thread so that ray.cancel's KeyboardInterrupt lands here, in the main
-    # thread, which then stops the trial and waits until its processes are gone.
-    thread = threading.Thread(target=target, name=f"trial-{spec.tag}", daemon=True)
-    thread.start()
+    # thread, which then stops the trial and waits until its processes are gone. (Waiting on an
+    # Event, not Thread.join: an interrupted join marks a live thread as finished, bpo-45274.)
+    threading.Thread(target=target, name=f"trial-{spec.tag}", daemon=True).start()
     try:
-        while thread.is_alive():
-            thread.join(0.2)
+        while not done.wait(0.2):
+            pass
     except BaseException:
         stop.set()
-        thread.join()
+        _wait_despite_interrupts(done)
         raise
     finally:
         if lease is not None:
@@ -157,6 +160,14 @@ def _run_on_node(spec_dict: dict[str, Any], env: dict[str, str] | None, lease_di
     result = box["result"]
     result.extra.update(where, cores=lease.cores if lease else None, node_wall_s=result.wall_s)
     yield result.to_dict()
+
+
+def _wait_despite_interrupts(done: threading.Event) -> None:
+    """Wait for `done` even if Ray raises its cancel exception here again: the task must not end
+    (and the driver must not hear "cancelled") before the trial's processes are gone."""
+    while not done.is_set():
+        with contextlib.suppress(BaseException):  # a repeated cancel; keep waiting
+            done.wait()
 
 
 def _error(spec: TrialSpec, kind: str, message: str, where: dict[str, Any] | None = None) -> TrialResult:
