@@ -11,9 +11,9 @@ from typing import Any
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, func, insert, select
 
+from api.dashboard.store import CATEGORIES
 from tuner.db import Job, JobEvent, session_scope, utcnow
 
-CATEGORIES = ("compute", "attention", "communication", "optimizer", "idle")
 TINY = {
     "name": "gpt-tiny",
     "model": {"family": "gpt", "layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 2048},

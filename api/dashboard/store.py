@@ -24,6 +24,8 @@ from api.trials import values as values_t
 # 10,000-trial study. The dashboard needs a handful of columns, so it reads those in bulk.
 
 FAILED = ("oom", "error", "timeout")
+# Step-time breakdown categories, in stacking order (the `breakdown` user attr of a profiled trial).
+CATEGORIES = ("compute", "attention", "communication", "optimizer", "idle")
 
 
 @dataclass
@@ -110,6 +112,20 @@ def _external(distribution_json: str, internal: float) -> Any:
     return _distribution(distribution_json).to_external_repr(internal)
 
 
+def _merged(dist_jsons: list[str]) -> Any:
+    """One distribution per param for the whole study. A categorical knob recorded with different
+    choices (dp is single-choice next to the split label; overrides narrow a domain) gets the union."""
+    from optuna.distributions import CategoricalDistribution
+
+    dists = [_distribution(d) for d in dist_jsons]
+    if len(dists) > 1 and all(isinstance(d, CategoricalDistribution) for d in dists):
+        choices: list[Any] = []
+        for d in dists:
+            choices.extend(c for c in d.choices if c not in choices)
+        return CategoricalDistribution(choices)
+    return dists[-1]
+
+
 def _attr(value_json: str) -> Any:
     try:
         return json.loads(value_json)
@@ -153,7 +169,7 @@ def _read(session: Session, sid: int) -> tuple[list[TrialRow], dict[str, Any]]:
         row = by_id.get(tid)
         if row is not None:
             row.values.append(value)
-    dist_json: dict[str, str] = {}
+    dist_json: dict[str, set[str]] = {}
     for tid, name, internal, dist in session.execute(
         select(
             params_t.c.trial_id, params_t.c.param_name, params_t.c.param_value, params_t.c.distribution_json
@@ -162,7 +178,7 @@ def _read(session: Session, sid: int) -> tuple[list[TrialRow], dict[str, Any]]:
         row = by_id.get(tid)
         if row is not None:
             row.params[name] = _external(dist, internal)
-            dist_json[name] = dist
+            dist_json.setdefault(name, set()).add(dist)
     for tid, key, value_json in session.execute(
         select(attrs_t.c.trial_id, attrs_t.c.key, attrs_t.c.value_json).where(
             attrs_t.c.trial_id.in_(in_study)
@@ -174,12 +190,13 @@ def _read(session: Session, sid: int) -> tuple[list[TrialRow], dict[str, Any]]:
     for row in by_id.values():
         status = row.attrs.get("status")
         row.status = status if isinstance(status, str) and status else row.state
-    distributions = {name: _distribution(d) for name, d in dist_json.items()}
+    distributions = {name: _merged(sorted(d)) for name, d in dist_json.items()}
     return sorted(by_id.values(), key=lambda r: r.number), distributions
 
 
 _cache: dict[tuple[str, str], StudyRows] = {}
 _cache_lock = threading.Lock()
+_loading: dict[tuple[str, str], threading.Lock] = {}
 
 
 def load_study_rows(session: Session, study_name: str) -> StudyRows | None:
@@ -188,13 +205,18 @@ def load_study_rows(session: Session, study_name: str) -> StudyRows | None:
     if sid is None:
         return None
     key = (str(session.get_bind().url), study_name)
-    version = _version(session, sid)
     with _cache_lock:
-        cached = _cache.get(key)
-    if cached is not None and cached.version == version:
-        return cached
-    rows, distributions = _read(session, sid)
-    fresh = StudyRows(study_name=study_name, version=version, rows=rows, distributions=distributions)
-    with _cache_lock:
-        _cache[key] = fresh
-    return fresh
+        loading = _loading.setdefault(key, threading.Lock())
+    # One reader per study: a page asks for table, plots and overview at once, and three cold
+    # reads of a large study would only compete for the same cores.
+    with loading:
+        version = _version(session, sid)
+        with _cache_lock:
+            cached = _cache.get(key)
+        if cached is not None and cached.version == version:
+            return cached
+        rows, distributions = _read(session, sid)
+        fresh = StudyRows(study_name=study_name, version=version, rows=rows, distributions=distributions)
+        with _cache_lock:
+            _cache[key] = fresh
+        return fresh

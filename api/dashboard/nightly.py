@@ -1,0 +1,65 @@
+"""A recipe's nightly history: best tokens/s per night, regressions, and the fingerprint changes
+(torch, driver, device, ...) that coincide with them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tuner.db import NightlyResult
+
+# The fingerprint keys people look at first when throughput moves; the rest follow.
+WATCHED = ("torch", "driver", "device", "cuda", "torch_npu", "device_count", "family", "capability")
+MAX_NIGHTS = 400
+
+
+def recipe_history(session: Session, recipe_name: str) -> dict[str, Any]:
+    rows = list(
+        session.scalars(
+            select(NightlyResult)
+            .where(NightlyResult.recipe_name == recipe_name)
+            .order_by(NightlyResult.night.desc())
+            .limit(MAX_NIGHTS)
+        )
+    )
+    rows.reverse()
+    nights, previous = [], None
+    for row in rows:
+        changes = _changes(previous.fingerprint if previous else None, row.fingerprint or {})
+        regression = row.verdict == "regression"
+        nights.append(
+            {
+                "night": row.night.isoformat(),
+                "best_tokens_per_s": row.best_tokens_per_s,
+                "previous_best_tokens_per_s": row.previous_best_tokens_per_s,
+                "change_pct": row.change_pct,
+                "verdict": row.verdict,
+                "regression": regression,
+                "fingerprint_hash": row.fingerprint_hash,
+                "changes": changes,
+                # A regression on a night the software or hardware changed: the likely cause.
+                "suspects": [c["key"] for c in changes] if regression else [],
+                "study_name": row.study_name,
+                "config": row.config,
+            }
+        )
+        previous = row
+    return {
+        "recipe_name": recipe_name,
+        "nights": nights,
+        "regressions": sum(1 for n in nights if n["regression"]),
+    }
+
+
+def _changes(before: dict[str, Any] | None, after: dict[str, Any]) -> list[dict[str, Any]]:
+    if before is None:
+        return []
+    keys = [k for k in WATCHED if k in before or k in after]
+    keys += sorted((set(before) | set(after)) - set(WATCHED))
+    return [
+        {"key": k, "before": before.get(k), "after": after.get(k)}
+        for k in keys
+        if before.get(k) != after.get(k)
+    ]

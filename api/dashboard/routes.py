@@ -1,0 +1,209 @@
+"""Dashboard routes: the HTML pages and their scripts under /ui (no data in them, so no token),
+and the aggregate endpoints the pages read under /ui/api (a read token, like /v1)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse, RedirectResponse
+from sqlalchemy import select
+
+from api.dashboard import nightly, plots, table
+from api.dashboard.store import StudyRows, load_study_rows
+from api.deps import ReadAuth, SessionDep
+from api.errors import ApiError
+from api.schemas import ErrorBody, JobPublic
+from tuner.db import Build, Job
+
+HERE = Path(__file__).parent
+STATIC = HERE / "static"
+TEMPLATES = HERE / "templates"
+_ASSET = re.compile(r"^[a-z][a-z0-9_-]*\.(js|css)$")
+_TRIAL_REF = re.compile(r"^([0-9]{1,12}):([0-9]{1,9})$")
+
+pages = APIRouter(prefix="/ui", include_in_schema=False)
+data = APIRouter(
+    prefix="/ui/api", tags=["dashboard"], responses={s: {"model": ErrorBody} for s in (401, 403, 404, 422)}
+)
+
+
+def _page(name: str) -> FileResponse:
+    return FileResponse(TEMPLATES / name, media_type="text/html", headers={"Cache-Control": "no-cache"})
+
+
+@pages.get("")
+def read_root():
+    return RedirectResponse("/ui/jobs")
+
+
+@pages.get("/jobs")
+def read_jobs_page():
+    return _page("jobs.html")
+
+
+@pages.get("/jobs/{job_id}")
+def read_job_page(job_id: int):
+    return _page("job.html")
+
+
+@pages.get("/compare")
+def read_compare_page():
+    return _page("compare.html")
+
+
+@pages.get("/recipes/{recipe_name}")
+def read_recipe_page(recipe_name: str):
+    return _page("recipe.html")
+
+
+@pages.get("/static/plotly.min.js")
+def read_plotly():
+    # Plotly's bundle ships inside the Python package: the dashboard works with no internet.
+    import plotly
+
+    path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    return FileResponse(path, media_type="text/javascript", headers={"Cache-Control": "max-age=86400"})
+
+
+@pages.get("/static/{name}")
+def read_asset(name: str):
+    path = STATIC / name
+    if not _ASSET.match(name) or not path.is_file():
+        raise ApiError(404, f"no dashboard asset {name!r}", [("name", "not found")])
+    media = "text/javascript" if name.endswith(".js") else "text/css"
+    return FileResponse(path, media_type=media, headers={"Cache-Control": "no-cache"})
+
+
+def _job(session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise ApiError(404, f"job {job_id} not found", [("id", "no such job; the jobs page lists them")])
+    return job
+
+
+def _study(session, job: Job) -> StudyRows | None:
+    return load_study_rows(session, job.study_name) if job.study_name else None
+
+
+@data.get("/jobs/{job_id}/overview")
+def read_overview(job_id: int, session: SessionDep, _: ReadAuth):
+    """The job, its best trial with speedup and step-time breakdown, the build, recent failures."""
+    job = _job(session, job_id)
+    study = _study(session, job)
+    best = table.best(study) if study else None
+    build = session.scalar(select(Build).where(Build.job_id == job_id).order_by(Build.id.desc()).limit(1))
+    # Speedup over the default config: the worker's figure when it recorded one (it re-measures
+    # the winner), else the best measured trial over the baseline trial.
+    speedup = job.speedup
+    if speedup is None and best is not None:
+        baseline = job.baseline_tokens_per_s or (table.baseline(study) if study else None)
+        speedup = best.tokens_per_s / baseline if baseline else None
+    return {
+        "job": JobPublic.from_row(job).model_dump(mode="json"),
+        "best": best.detail() if best else None,
+        "speedup": speedup,
+        "build": {
+            "ready": build is not None and Path(build.path).is_file(),
+            "sha256": build.sha256 if build else None,
+            "size_bytes": build.size_bytes if build else None,
+            "trial_number": build.trial_number if build else None,
+        },
+        "failures": table.failures(study) if study else {"total": 0, "items": []},
+    }
+
+
+@data.get("/jobs/{job_id}/trials")
+def read_trials_table(
+    job_id: int,
+    session: SessionDep,
+    _: ReadAuth,
+    page: Annotated[int, Query(ge=1)] = 1,
+    size: Annotated[int, Query(ge=1, le=table.MAX_PAGE_SIZE)] = 50,
+    sort: Annotated[
+        str, Query(max_length=100, description="A column or knob; '-' prefix: descending")
+    ] = "number",
+    status: Annotated[list[str], Query(description="ok, oom, error, timeout, pruned, running, ...")] = (),
+    knob: Annotated[list[str], Query(description="name:value, e.g. recompute:full")] = (),
+):
+    """One page of the trials table, sorted and filtered on the server."""
+    job = _job(session, job_id)
+    study = _study(session, job)
+    if study is None:
+        return {"total": 0, "total_all": 0, "page": 1, "size": size, "pages": 1, "sort": sort, "items": [],
+                "status_counts": {}, "knobs": {}}  # fmt: skip
+    filters = table.parse_knob_filters(list(knob), study)
+    return table.page(study, page=page, size=size, sort=sort, statuses=list(status), knobs=filters)
+
+
+@data.get("/jobs/{job_id}/plots")
+def read_plots(job_id: int, session: SessionDep, _: ReadAuth):
+    """Plot series from at most ~1,000 trials (best-so-far steps and failures always kept)."""
+    job = _job(session, job_id)
+    study = _study(session, job)
+    if study is None:
+        return {"total": 0, "sampled": 0}
+    return plots.plot_data(study)
+
+
+@data.get("/jobs/{job_id}/trials/{number}")
+def read_trial(job_id: int, number: int, session: SessionDep, _: ReadAuth):
+    job = _job(session, job_id)
+    study = _study(session, job)
+    if study is None:
+        raise ApiError(404, f"job {job_id} has no trials yet ({job.state})", [("number", "no trials")])
+    return {"job_id": job.id, "recipe_name": job.recipe_name, "trial": table.find(study, number).detail()}
+
+
+def _ref(session, field: str, ref: str):
+    m = _TRIAL_REF.match(ref)
+    if not m:
+        raise ApiError(
+            422, f"{field}={ref!r} is not JOB:TRIAL", [(field, "use job id and trial number, e.g. 3:17")]
+        )
+    job = _job(session, int(m.group(1)))
+    study = _study(session, job)
+    if study is None:
+        raise ApiError(404, f"job {job.id} has no trials yet", [(field, "no trials")])
+    hardware = dict((job.recipe or {}).get("hardware", {}))
+    return job, table.find(study, int(m.group(2))), hardware
+
+
+@data.get("/compare")
+def read_comparison(
+    session: SessionDep,
+    _: ReadAuth,
+    a: Annotated[str, Query(description="JOB:TRIAL, e.g. 3:17")],
+    b: Annotated[str, Query(description="JOB:TRIAL, e.g. 5:2")],
+):
+    """Two trials side by side, also from different jobs (the same recipe on two device types)."""
+    job_a, trial_a, hw_a = _ref(session, "a", a)
+    job_b, trial_b, hw_b = _ref(session, "b", b)
+    return {
+        "a": {
+            "job_id": job_a.id,
+            "recipe_name": job_a.recipe_name,
+            "hardware": hw_a,
+            "trial": trial_a.detail(),
+        },
+        "b": {
+            "job_id": job_b.id,
+            "recipe_name": job_b.recipe_name,
+            "hardware": hw_b,
+            "trial": trial_b.detail(),
+        },
+        **table.compare(trial_a, trial_b),
+    }
+
+
+@data.get("/recipes/{recipe_name}/history")
+def read_recipe_history(recipe_name: str, session: SessionDep, _: ReadAuth):
+    """Best tokens/s per nightly run, with regressions and the fingerprint changes next to them."""
+    return nightly.recipe_history(session, recipe_name)
+
+
+router = APIRouter()
+router.include_router(pages)
+router.include_router(data)

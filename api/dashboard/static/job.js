@@ -1,0 +1,284 @@
+// The job page: best config, trials table (paged on the server), plots and failures, kept live
+// by the job's server-sent events (read with fetch so the token travels as a header).
+import { api, authHeaders, badge, bytes, el, label, num, pct, seconds, showError } from "./common.js";
+import * as plots from "./plots.js";
+
+const jobId = Number(location.pathname.split("/").filter(Boolean).pop());
+// Read by the browser tests and the load benchmark: set once the table and plots first rendered.
+const dash = (window.__dashboard = { ready: false, tableReady: false, plotsReady: false, events: 0, refreshes: 0 });
+const view = { page: 1, size: 50, sort: "number", statuses: new Set(), knobs: new Map(), selected: new Set() };
+const $ = (id) => document.getElementById(id);
+let overview = null;
+
+const COLUMNS = [
+  ["number", "#", (t) => el("a", { href: `/ui/compare?a=${jobId}:${t.number}` }, t.number)],
+  ["status", "Status", (t) => badge(t.status)],
+  ["tokens_per_s", "tokens/s", (t) => num(t.tokens_per_s)],
+  ["mfu", "MFU", (t) => pct(t.mfu)],
+  ["peak_mem_allocated_bytes", "Peak mem", (t) => bytes(t.peak_mem_allocated_bytes)],
+  ["estimated_peak_mem_bytes", "Est. mem", (t) => bytes(t.estimated_peak_mem_bytes)],
+  ["step_time_s", "Step", (t) => seconds(t.step_time_s)],
+  ["duration_s", "Duration", (t) => seconds(t.duration_s)],
+];
+
+function markReady() {
+  if (dash.tableReady && dash.plotsReady && !dash.ready) {
+    dash.ready = true;
+    dash.readyAt = performance.now();
+    document.body.dataset.ready = "true";
+  }
+}
+
+async function loadOverview() {
+  try {
+    overview = await api(`/ui/api/jobs/${jobId}/overview`);
+  } catch (err) {
+    showError($("job-header"), err);
+    return;
+  }
+  const { job, best, speedup, build, failures } = overview;
+  document.title = `#${job.id} ${job.name} · tuner`;
+  $("job-header").replaceChildren(
+    el("h1", {}, `Job #${job.id}: `, el("a", { href: `/ui/recipes/${encodeURIComponent(job.name)}` }, job.name), " ", badge(job.state)),
+    el("p", {}, el("progress", { max: job.trials_total || 1, value: job.trials_done }),
+      ` ${job.trials_done}/${job.trials_total} trials · best ${num(job.best_tokens_per_s)} tokens/s`,
+      job.error ? el("span", { class: "error" }, ` · ${job.error}`) : null));
+  renderBest(best, speedup, build, job);
+  renderFailures(failures);
+}
+
+function renderBest(best, speedup, build, job) {
+  const card = $("best-card");
+  card.hidden = !best;
+  if (!best) return;
+  $("best-summary").replaceChildren(
+    el("strong", { id: "best-tokens" }, `${num(best.tokens_per_s)} tokens/s`), " · trial ",
+    el("a", { href: `/ui/compare?a=${jobId}:${best.number}` }, `#${best.number}`),
+    " · speedup ", el("strong", { id: "best-speedup" }, speedup ? `${speedup.toFixed(2)}×` : "–"),
+    " over the default config · MFU ", pct(best.mfu), " · peak ", bytes(best.peak_mem_allocated_bytes));
+  $("best-knobs").replaceChildren(...Object.entries(best.params).sort().map(([k, v]) =>
+    el("tr", {}, el("th", {}, k), el("td", {}, label(v)))));
+  const button = $("download-build");
+  button.disabled = !build.ready;
+  button.dataset.sha256 = build.sha256 || "";
+  $("build-status").textContent = build.ready
+    ? `${bytes(build.size_bytes)} · sha256 ${build.sha256.slice(0, 12)}…`
+    : ["succeeded", "failed", "cancelled"].includes(job.state) ? "no build for this job" : "the build is made when the job succeeds";
+  const bd = best.attrs.breakdown;
+  $("breakdown-plot").hidden = !bd;
+  if (bd && window.Plotly) plots.breakdown($("breakdown-plot"), [{ label: `#${best.number}`, breakdown: bd }]);
+}
+
+async function sha256Hex(buffer) {
+  const digest = await crypto.subtle.digest("SHA-256", buffer);
+  return [...new Uint8Array(digest)].map((b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+// Download through fetch (the token is a header), check the sha256, then hand the file over.
+$("download-build").addEventListener("click", async () => {
+  const status = $("build-status");
+  status.textContent = "downloading…";
+  try {
+    const res = await fetch(`/v1/jobs/${jobId}/build`, { headers: authHeaders() });
+    if (!res.ok) throw new Error((await res.json()).detail);
+    const data = await res.arrayBuffer();
+    const expected = res.headers.get("X-Checksum-Sha256") || $("download-build").dataset.sha256;
+    const actual = await sha256Hex(data);
+    if (expected && actual !== expected) throw new Error(`checksum mismatch: got ${actual}, expected ${expected}`);
+    const name = (res.headers.get("content-disposition") || "").match(/filename="?([^";]+)"?/)?.[1] || `job-${jobId}-build.tar.gz`;
+    const link = el("a", { href: URL.createObjectURL(new Blob([data])), download: name });
+    document.body.append(link);
+    link.click();
+    link.remove();
+    status.textContent = `downloaded ${name}, sha256 verified: ${actual}`;
+    status.dataset.verified = actual;
+  } catch (err) {
+    status.textContent = `download failed: ${err.message}`;
+  }
+});
+
+function renderFailures(failures) {
+  const box = $("failures");
+  if (!failures.total) {
+    box.replaceChildren(el("p", { class: "muted" }, "No failed trials."));
+    return;
+  }
+  box.replaceChildren(
+    el("p", { class: "muted" }, `${failures.total} failed (latest ${failures.items.length} shown)`),
+    ...failures.items.map((t) => el("details", { class: "failure", dataset: { number: t.number } },
+      el("summary", {}, `#${t.number} `, badge(t.status), ` ${t.error || ""}`),
+      el("pre", {}, t.attrs.log_tail || "(no log captured)"))));
+}
+
+async function loadTable() {
+  const q = new URLSearchParams({ page: view.page, size: view.size, sort: view.sort });
+  view.statuses.forEach((s) => q.append("status", s));
+  view.knobs.forEach((v, k) => q.append("knob", `${k}:${v}`));
+  let data;
+  try {
+    data = await api(`/ui/api/jobs/${jobId}/trials?${q}`);
+  } catch (err) {
+    showError($("page-info"), err);
+    return;
+  }
+  if (view.page > data.pages) {
+    view.page = data.pages;
+    return loadTable();
+  }
+  const knobs = Object.keys(data.knobs).filter((k) => data.knobs[k].length > 1);
+  renderHead(knobs);
+  $("trials-table").querySelector("tbody").replaceChildren(...data.items.map((t) =>
+    el("tr", { dataset: { number: t.number, status: t.status } },
+      el("td", {}, el("input", { type: "checkbox", class: "pick", checked: view.selected.has(t.number),
+        onchange: (ev) => pick(t.number, ev.target.checked) })),
+      ...COLUMNS.map(([, , cell]) => el("td", {}, cell(t))),
+      ...knobs.map((k) => el("td", {}, label(t.params[k]))))));
+  $("page-info").textContent = `page ${data.page} of ${data.pages} · ${num(data.total)} of ${num(data.total_all)} trials`;
+  $("page-prev").disabled = data.page <= 1;
+  $("page-next").disabled = data.page >= data.pages;
+  renderFilters(data);
+  dash.tableReady = true;
+  markReady();
+}
+
+function renderHead(knobs) {
+  const head = (key, text) => {
+    const active = view.sort.replace("-", "") === key;
+    const arrow = active ? (view.sort.startsWith("-") ? " ▼" : " ▲") : "";
+    return el("th", { class: "sortable", dataset: { sort: key }, onclick: () => {
+      view.sort = active && !view.sort.startsWith("-") ? `-${key}` : key;
+      view.page = 1;
+      loadTable();
+    } }, text + arrow);
+  };
+  $("trials-table").querySelector("thead").replaceChildren(el("tr", {}, el("th", {}, ""),
+    ...COLUMNS.map(([key, text]) => head(key, text)), ...knobs.map((k) => head(k, k))));
+}
+
+function renderFilters(data) {
+  const box = $("status-filter");
+  const counts = data.status_counts;
+  box.replaceChildren(el("legend", {}, "Status"), ...Object.keys(counts).sort().map((s) =>
+    el("label", {}, el("input", { type: "checkbox", value: s, checked: view.statuses.has(s), onchange: (ev) => {
+      ev.target.checked ? view.statuses.add(s) : view.statuses.delete(s);
+      view.page = 1;
+      loadTable();
+    } }), ` ${s} (${counts[s]})`)));
+  const names = $("knob-name");
+  if (names.options.length !== Object.keys(data.knobs).length) {
+    names.replaceChildren(...Object.keys(data.knobs).map((k) => el("option", {}, k)));
+    names.onchange = () => fillValues(data.knobs);
+    fillValues(data.knobs);
+  }
+  $("knob-chips").replaceChildren(...[...view.knobs].map(([k, v]) => el("button", { type: "button", class: "chip",
+    title: "remove filter", onclick: () => { view.knobs.delete(k); view.page = 1; loadTable(); } }, `${k}=${v} ✕`)));
+}
+
+function fillValues(knobs) {
+  const name = $("knob-name").value;
+  $("knob-value").replaceChildren(...(knobs[name] || []).map((v) => el("option", {}, v)));
+}
+
+$("knob-add").addEventListener("click", () => {
+  if (!$("knob-name").value) return;
+  view.knobs.set($("knob-name").value, $("knob-value").value);
+  view.page = 1;
+  loadTable();
+});
+$("page-prev").addEventListener("click", () => { view.page -= 1; loadTable(); });
+$("page-next").addEventListener("click", () => { view.page += 1; loadTable(); });
+$("page-size").addEventListener("change", (ev) => { view.size = Number(ev.target.value); view.page = 1; loadTable(); });
+
+function pick(number, on) {
+  on ? view.selected.add(number) : view.selected.delete(number);
+  const chosen = [...view.selected].slice(-2);
+  const link = $("compare-link");
+  link.hidden = chosen.length !== 2;
+  if (chosen.length === 2) link.href = `/ui/compare?a=${jobId}:${chosen[0]}&b=${jobId}:${chosen[1]}`;
+}
+
+async function loadPlots() {
+  let data;
+  try {
+    data = await api(`/ui/api/jobs/${jobId}/plots`);
+  } catch (err) {
+    showError($("plots-note"), err);
+    return;
+  }
+  await plotlyLoaded;
+  const jobs = [];
+  if (data.history && data.history.number.length + data.history.failed.number.length) jobs.push(plots.history($("plot-history"), data.history));
+  if (data.importance && data.importance.params.length) jobs.push(plots.importance($("plot-importance"), data.importance));
+  if (data.parallel && data.parallel.number.length > 1) jobs.push(plots.parallel($("plot-parallel"), data.parallel));
+  if (data.pareto && data.pareto.all.number.length) jobs.push(plots.pareto($("plot-pareto"), data.pareto));
+  if (data.memory && data.memory.number.length) jobs.push(plots.memory($("plot-memory"), data.memory));
+  await Promise.all(jobs);
+  $("plots-note").textContent = data.total > data.sampled
+    ? `Plots show ${num(data.sampled)} of ${num(data.total)} trials (every improvement and failure kept).` : "";
+  if (overview && overview.best && overview.best.attrs.breakdown) {
+    plots.breakdown($("breakdown-plot"), [{ label: `#${overview.best.number}`, breakdown: overview.best.attrs.breakdown }]);
+  }
+  dash.plotsReady = true;
+  markReady();
+}
+
+const plotlyLoaded = new Promise((resolve) => {
+  if (window.Plotly) resolve();
+  else window.addEventListener("load", resolve, { once: true });
+});
+
+let pending = null;
+function refreshSoon() {
+  // Events can arrive in bursts (several trials finishing at once): refresh once per burst.
+  if (pending) return;
+  pending = setTimeout(async () => {
+    pending = null;
+    await Promise.all([loadOverview(), loadTable(), loadPlots()]);
+    dash.refreshes += 1;
+  }, 300);
+}
+
+// Server-sent events over fetch: EventSource cannot send the Authorization header.
+async function follow() {
+  let last = 0;
+  for (let attempt = 0; attempt < 1000; attempt += 1) {
+    $("live-status").textContent = "live: connected";
+    try {
+      const res = await fetch(`/v1/jobs/${jobId}/events?after=${last}`, { headers: authHeaders() });
+      if (!res.ok) throw new Error(`events: HTTP ${res.status}`);
+      const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += value;
+        let cut;
+        while ((cut = buffer.indexOf("\n\n")) >= 0) {
+          const frame = buffer.slice(0, cut);
+          buffer = buffer.slice(cut + 2);
+          const id = frame.match(/^id: (\d+)/m);
+          const kind = frame.match(/^event: (\S+)/m);
+          if (id) last = Number(id[1]);
+          if (kind) {
+            dash.events += 1;
+            dash.lastEvent = kind[1];
+            refreshSoon();
+            if (kind[1] === "done") {
+              $("live-status").textContent = "job finished";
+              return;
+            }
+          }
+        }
+      }
+      // The server ends the stream only when the job is final.
+      $("live-status").textContent = "job finished";
+      return;
+    } catch (err) {
+      $("live-status").textContent = `live: reconnecting (${err.message})`;
+      await new Promise((r) => setTimeout(r, 2000));
+    }
+  }
+}
+
+await Promise.all([loadOverview(), loadTable(), loadPlots()]);
+follow();

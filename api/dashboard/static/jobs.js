@@ -1,0 +1,84 @@
+// The jobs page: every job with its progress, filtered by state, and the recipe submission form.
+import { api, age, badge, el, num, showError } from "./common.js";
+
+const REFRESH_MS = 3000;
+const stateFilter = document.getElementById("state-filter");
+const tbody = document.querySelector("#jobs-table tbody");
+const status = document.getElementById("jobs-status");
+
+async function loadJobs() {
+  const state = stateFilter.value;
+  const query = new URLSearchParams({ limit: "200" });
+  if (state) query.set("state", state);
+  try {
+    const page = await api(`/v1/jobs?${query}`);
+    tbody.replaceChildren(...page.items.map(jobRow));
+    status.textContent = page.items.length ? "" : "No jobs yet: submit a recipe below.";
+    document.body.dataset.loaded = "true";
+  } catch (err) {
+    showError(status, err);
+  }
+}
+
+function jobRow(job) {
+  const total = job.trials_total || 0;
+  return el("tr", { dataset: { jobId: job.id, state: job.state } },
+    el("td", {}, el("a", { href: `/ui/jobs/${job.id}` }, `#${job.id}`)),
+    el("td", {}, el("a", { href: `/ui/recipes/${encodeURIComponent(job.name)}` }, job.name)),
+    el("td", {}, badge(job.state)),
+    el("td", {}, el("progress", { max: total || 1, value: job.trials_done }), ` ${job.trials_done}/${total}`),
+    el("td", { class: "num" }, num(job.best_tokens_per_s)),
+    el("td", { class: "num" }, job.speedup ? `${job.speedup.toFixed(2)}×` : "–"),
+    el("td", {}, age(job.created_at)));
+}
+
+// Form: the API answers 422 with errors [{field, message}]; each goes next to the recipe text,
+// with the line where that field sits in the YAML when it can be found.
+const form = document.getElementById("recipe-form");
+const text = document.getElementById("recipe-text");
+const errors = document.getElementById("recipe-errors");
+const result = document.getElementById("recipe-result");
+
+document.getElementById("recipe-file").addEventListener("change", async (ev) => {
+  const file = ev.target.files[0];
+  if (file) text.value = await file.text();
+});
+
+function lineOf(field) {
+  const key = String(field).split(".").filter((p) => !/^\d+$/.test(p)).pop();
+  if (!key) return null;
+  const lines = text.value.split("\n");
+  const re = new RegExp(`(^|[\\s{,])"?${key.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}"?\\s*:`);
+  const i = lines.findIndex((line) => re.test(line));
+  return i >= 0 ? i + 1 : null;
+}
+
+form.addEventListener("submit", async (ev) => {
+  ev.preventDefault();
+  errors.replaceChildren();
+  text.removeAttribute("aria-invalid");
+  result.textContent = "Submitting…";
+  try {
+    const job = await api("/v1/jobs", {
+      method: "POST",
+      headers: { "Content-Type": "application/yaml" },
+      body: text.value,
+    });
+    result.replaceChildren("Queued ", el("a", { id: "new-job-link", href: `/ui/jobs/${job.id}` }, `job #${job.id}`));
+    loadJobs();
+  } catch (err) {
+    result.textContent = err.message;
+    text.setAttribute("aria-invalid", "true");
+    const items = err.errors.length ? err.errors : [{ field: "", message: err.message }];
+    errors.replaceChildren(...items.map(({ field, message }) => {
+      const line = field ? lineOf(field) : null;
+      return el("li", { class: "field-error", dataset: { field } },
+        field ? el("code", {}, field) : null, field ? ": " : "", message,
+        line ? el("span", { class: "muted" }, ` (line ${line})`) : null);
+    }));
+  }
+});
+
+stateFilter.addEventListener("change", loadJobs);
+loadJobs();
+setInterval(loadJobs, REFRESH_MS);

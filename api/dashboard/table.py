@@ -1,0 +1,164 @@
+"""The trials table (sorted, filtered by status and knob value, paged on the server), the failure
+list, and the side-by-side comparison of two trials."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.dashboard.store import CATEGORIES, StudyRows, TrialRow
+from api.errors import ApiError
+
+COLUMNS = (
+    "number",
+    "status",
+    "tokens_per_s",
+    "mfu",
+    "peak_mem_allocated_bytes",
+    "estimated_peak_mem_bytes",
+    "step_time_s",
+    "duration_s",
+)
+METRICS = (
+    "tokens_per_s",
+    "samples_per_s",
+    "step_time_s",
+    "mfu",
+    "tflops",
+    "peak_mem_allocated_bytes",
+    "peak_mem_reserved_bytes",
+    "estimated_peak_mem_bytes",
+)
+MAX_PAGE_SIZE = 200
+
+
+def parse_knob_filters(raw: list[str], study: StudyRows) -> dict[str, str]:
+    """`knob=name:value` query values into {name: value}; an unknown knob is a 422 naming it."""
+    out: dict[str, str] = {}
+    for item in raw:
+        name, sep, value = item.partition(":")
+        if not sep or not name:
+            raise ApiError(
+                422, f"knob filter {item!r} is not name:value", [("knob", "use e.g. knob=recompute:full")]
+            )
+        if name not in study.distributions:
+            known = ", ".join(sorted(study.distributions)) or "none yet"
+            raise ApiError(
+                422, f"unknown knob {name!r} in filter", [("knob", f"knobs of this study: {known}")]
+            )
+        out[name] = value
+    return out
+
+
+def label(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _sort_key(column: str):
+    def key(r: TrialRow):
+        v = _value(r, column)
+        # Numbers (and booleans) before text; missing values are split off by the caller.
+        if isinstance(v, (bool, int, float)):
+            return (0, float(v), "")
+        return (1, 0.0, str(v))
+
+    return key
+
+
+def page(
+    study: StudyRows,
+    *,
+    page: int,
+    size: int,
+    sort: str,
+    statuses: list[str],
+    knobs: dict[str, str],
+) -> dict[str, Any]:
+    """One page of the trials table, plus what the filter controls offer."""
+    desc = sort.startswith("-")
+    column = sort.lstrip("-")
+    if column not in COLUMNS and column not in study.distributions:
+        valid = ", ".join(COLUMNS + tuple(sorted(study.distributions)))
+        raise ApiError(
+            422, f"cannot sort by {column!r}", [("sort", f"one of {valid}, with '-' for descending")]
+        )
+    rows = study.rows
+    if statuses:
+        rows = [r for r in rows if r.status in statuses]
+    for name, want in knobs.items():
+        rows = [r for r in rows if name in r.params and label(r.params[name]) == want]
+    present = [r for r in rows if _value(r, column) is not None]
+    missing = [r for r in rows if _value(r, column) is None]
+    present.sort(key=_sort_key(column), reverse=desc)
+    ordered = present + missing
+    total = len(ordered)
+    pages = max(1, -(-total // size))
+    start = (page - 1) * size
+    counts: dict[str, int] = {}
+    for r in study.rows:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    return {
+        "total": total,
+        "total_all": len(study.rows),
+        "page": page,
+        "size": size,
+        "pages": pages,
+        "sort": sort,
+        "items": [r.summary() for r in ordered[start : start + size]],
+        "status_counts": counts,
+        "knobs": {
+            name: sorted({label(c) for c in getattr(d, "choices", ())})
+            for name, d in sorted(study.distributions.items())
+        },
+    }
+
+
+def _value(r: TrialRow, column: str) -> Any:
+    return r.metric(column) if column in COLUMNS else r.params.get(column)
+
+
+def failures(study: StudyRows, limit: int = 50) -> dict[str, Any]:
+    failed = [r for r in study.rows if r.failed]
+    return {"total": len(failed), "items": [r.detail() for r in reversed(failed[-limit:])]}
+
+
+def best(study: StudyRows) -> TrialRow | None:
+    done = [r for r in study.rows if r.state == "complete" and r.tokens_per_s is not None]
+    return max(done, key=lambda r: r.tokens_per_s) if done else None
+
+
+def baseline(study: StudyRows) -> float | None:
+    """Tokens/s of the default config's trial (the study marks it with role=baseline)."""
+    for r in study.rows:
+        if r.attrs.get("role") == "baseline" and r.tokens_per_s is not None:
+            return r.tokens_per_s
+    return None
+
+
+def find(study: StudyRows, number: int) -> TrialRow:
+    for r in study.rows:
+        if r.number == number:
+            return r
+    raise ApiError(
+        404, f"trial {number} not found in study {study.study_name}", [("number", "no such trial")]
+    )
+
+
+def compare(a: TrialRow, b: TrialRow) -> dict[str, Any]:
+    """Which knobs differ between two trials, what each metric did (b relative to a), and the
+    step-time breakdown category by category."""
+    names = sorted(set(a.params) | set(b.params))
+    knobs = [
+        {"name": n, "a": a.params.get(n), "b": b.params.get(n), "differs": a.params.get(n) != b.params.get(n)}
+        for n in names
+    ]
+    metrics = []
+    for m in METRICS:
+        va, vb = a.metric(m), b.metric(m)
+        change = None
+        if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va:
+            change = (vb - va) / abs(va)
+        metrics.append({"name": m, "a": va, "b": vb, "change": change})
+    ba, bb = a.attrs.get("breakdown") or {}, b.attrs.get("breakdown") or {}
+    categories = [c for c in CATEGORIES if c in ba or c in bb] + sorted((set(ba) | set(bb)) - set(CATEGORIES))
+    breakdown = [{"category": c, "a": ba.get(c), "b": bb.get(c)} for c in categories]
+    return {"knobs": knobs, "metrics": metrics, "breakdown": breakdown}
