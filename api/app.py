@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 
+from api.dashboard import router as dashboard_router
 from api.errors import BodySizeLimit, install_error_handlers
 from api.routes import events, jobs, system
 from api.settings import Settings
@@ -41,6 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(events.router)
     app.include_router(system.router)
+    app.include_router(dashboard_router)
 
     @app.get("/", include_in_schema=False)
     def root():
