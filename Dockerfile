@@ -3,7 +3,7 @@
 #
 # CPU build (default):    docker compose build
 # NVIDIA build:           docker compose build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
-# Ascend builds install torch_npu on top of the CPU wheel; see the ray-worker comment in the compose file.
+# Ascend builds install torch_npu on top of the CPU wheel; see the ray-worker-gpu comment in docker-compose.yml.
 FROM python:3.11-slim
 
 # torch comes from this index, at the version pinned in constraints/cpu.txt; a plain PyPI install
@@ -27,7 +27,8 @@ COPY constraints/ constraints/
 RUN pip install --index-url "$TORCH_INDEX_URL" -c constraints/cpu.txt torch
 
 COPY . .
-RUN pip install -c constraints/cpu.txt . \
+# Editable: search spaces (search_spaces/*.yaml) are read from the source tree next to the package.
+RUN pip install -c constraints/cpu.txt -e . \
     && useradd --create-home --uid 1000 tuner \
     && mkdir -p /data /reports \
     && chown tuner:tuner /data /reports
@@ -35,5 +36,7 @@ RUN pip install -c constraints/cpu.txt . \
 # No secrets here: the database password and API tokens come from the environment (.env) at run time.
 USER tuner
 ENV TUNER_ARTIFACT_DIR=/data/artifacts
+# Trial folders (runs/), the default SQLite file and caches go to the writable /data volume.
+WORKDIR /data
 EXPOSE 8000
 CMD ["tuner", "--help"]
