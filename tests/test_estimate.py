@@ -1,0 +1,163 @@
+"""The memory/FLOPs estimator: each knob moves the right term, weights match the real model, and
+the estimate tracks measured peaks of real trials."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tuner.config import Config
+from tuner.devices import DeviceInfo, describe
+from tuner.estimate import GiB, MiB, budget_bytes, estimate, predicts_oom
+from tuner.recipe import recipe_from_dict
+from tuner.workload.flops import flops_per_step, param_count
+
+CPU = describe("cpu")
+GPU = DeviceInfo(
+    family="cuda",
+    name="NVIDIA H100",
+    count=8,
+    memory_bytes=80 * GiB,
+    backend="nccl",
+    attention_backends=("math", "efficient", "flash", "cudnn"),
+    amp_dtypes=("bf16", "fp16"),
+    compile_modes=("none",),
+    supports_offload=True,
+)
+
+
+def recipe(devices=1, layers=4, hidden=128, heads=4, seq_len=256, vocab=2048, gbs=16, budget=None, **extra):
+    model = {"layers": layers, "hidden": hidden, "heads": heads, "seq_len": seq_len, "vocab": vocab}
+    hardware = {"devices": devices, "memory_budget_gb": budget}
+    return recipe_from_dict(
+        {"name": "e", "model": model, "train": {"global_batch_size": gbs, **extra}, "hardware": hardware}
+    )
+
+
+def est(config: Config, rec=None, device=CPU):
+    return estimate(rec or recipe(devices=config.world_size), config, device)
+
+
+def test_weights_match_the_real_model():
+    from tuner.workload.model import GPT
+
+    rec = recipe()
+    real = sum(p.numel() for p in GPT(rec.model).parameters())
+    assert real == param_count(rec.model)
+    e = est(Config())
+    assert e.params_bytes == 4 * real and e.grads_bytes == 4 * real
+    assert e.optimizer_bytes == (2 + 1) * 4 * real  # adamw's two states + foreach temporaries
+
+
+def test_amp_o2_keeps_low_precision_params_and_fp32_master():
+    n = param_count(recipe().model)
+    e = est(Config(amp="O2", optimizer_impl="fused"))
+    assert e.params_bytes == 2 * n and e.grads_bytes == 2 * n
+    assert e.optimizer_bytes == (2 + 2) * 4 * n  # adam states + fp32 master weights and grads
+    assert est(Config(amp="O1")).params_bytes == 4 * n
+
+
+def test_sgd_keeps_one_state():
+    n = param_count(recipe().model)
+    assert est(Config(optimizer_impl="fused"), recipe(optimizer="sgd")).optimizer_bytes == 4 * n
+
+
+def test_sharding_divides_the_weights():
+    base = est(Config(dp=1), recipe(devices=2))
+    tp = est(Config(dp=1, tp=2), recipe(devices=2))
+    pp = est(Config(dp=1, pp=2, micro_batch_size=1), recipe(devices=2))
+    fsdp = est(Config(dp=2, dp_shard="fsdp"), recipe(devices=2))
+    ddp = est(Config(dp=2), recipe(devices=2))
+    m = recipe().model
+    block_matmul_bytes = 4 * m.layers * (4 * m.hidden**2 + 2 * m.hidden * m.ffn_size)
+    assert base.params_bytes - tp.params_bytes == block_matmul_bytes // 2
+    assert pp.params_bytes < 0.75 * base.params_bytes
+    assert fsdp.params_bytes == base.params_bytes // 2
+    assert ddp.comm_bytes == ddp.grads_bytes  # DDP buckets copy the gradients
+
+
+def test_activations_follow_batch_recompute_kernel_and_offload():
+    none = est(Config(micro_batch_size=4)).activation_bytes
+    assert est(Config(micro_batch_size=8)).activation_bytes == pytest.approx(2 * none, rel=0.01)
+    selective = est(Config(micro_batch_size=4, recompute="selective")).activation_bytes
+    full = est(Config(micro_batch_size=4, recompute="full")).activation_bytes
+    assert full < selective < none
+    assert est(Config(micro_batch_size=4, attention="flash")).activation_bytes < none
+    offload = est(Config(micro_batch_size=4, offload=True), device=GPU).activation_bytes
+    assert offload < full
+
+
+def test_pipeline_schedules_hold_different_microbatches():
+    rec = recipe(devices=2, gbs=16)
+    one_f1b = est(Config(pp=2, micro_batch_size=1), rec)
+    gpipe = est(Config(pp=2, micro_batch_size=1, pp_schedule="gpipe"), rec)
+    # 1f1b keeps at most pp microbatches alive on the first stage; gpipe keeps all 16.
+    assert gpipe.activation_bytes > 4 * one_f1b.activation_bytes
+
+
+def test_flops_count_recompute_as_hardware_work_only():
+    rec = recipe()
+    plain, full = est(Config()), est(Config(recompute="full"))
+    assert plain.flops_per_step == full.flops_per_step == flops_per_step(rec)
+    assert full.hardware_flops_per_step == pytest.approx(plain.flops_per_step * 4 / 3)
+
+
+def test_budget_and_oom_prediction():
+    assert budget_bytes(recipe(budget=2), CPU) == 2 * GiB
+    assert budget_bytes(recipe(devices=2), CPU) == CPU.memory_bytes // 2  # ranks share the RAM
+    assert budget_bytes(recipe(), GPU) == 80 * GiB
+    e = est(Config())
+    assert not predicts_oom(e, e.peak_mem_bytes)
+    assert not predicts_oom(e, int(e.peak_mem_bytes / 1.1))  # within the 15% margin
+    assert predicts_oom(e, int(e.peak_mem_bytes / 1.2))
+    big = est(
+        Config(micro_batch_size=16), recipe(layers=48, hidden=4096, heads=32, seq_len=4096, vocab=50304)
+    )
+    assert predicts_oom(big, 80 * GiB)
+
+
+def test_breakdown_is_in_gib():
+    b = est(Config()).breakdown()
+    assert set(b) >= {"peak_mem_bytes", "params_bytes", "activation_bytes", "logits_bytes", "overhead_bytes"}
+    assert b["overhead_bytes"] == pytest.approx(62 * MiB / GiB)
+
+
+# ---- against real trials -------------------------------------------------------------------------
+
+TOLERANCE = 0.25  # |estimate - measured| / measured, for CPU RSS peaks of small models
+
+
+@pytest.mark.slow
+def test_estimate_tracks_measured_peaks(tmp_path):
+    from tuner.executors.local import run_trial
+    from tuner.result import TrialSpec
+
+    rec = recipe(layers=4, gbs=8)
+    rec = rec.model_copy(update={"measure": rec.measure.model_copy(update={"warmup_steps": 1, "steps": 1})})
+    configs = [
+        Config(micro_batch_size=1),
+        Config(micro_batch_size=8, recompute="full"),
+        Config(micro_batch_size=8),
+    ]
+
+    def measure(i: int):
+        spec = TrialSpec(
+            recipe=rec.to_dict(), config=configs[i].to_dict(), family="cpu", workdir=str(tmp_path / str(i))
+        )
+        return run_trial(spec)
+
+    with ThreadPoolExecutor(len(configs)) as pool:
+        results = list(pool.map(measure, range(len(configs))))
+    estimates = [estimate(rec, c, CPU).peak_mem_bytes for c in configs]
+    measured = []
+    for c, r, e in zip(configs, results, estimates, strict=True):
+        assert r.status == "ok", r.error
+        measured.append(r.peak_mem_reserved_bytes)
+        err = (e - r.peak_mem_reserved_bytes) / r.peak_mem_reserved_bytes
+        print(
+            f"mbs={c.micro_batch_size} recompute={c.recompute}: measured {r.peak_mem_reserved_bytes / MiB:.0f} MiB, "
+            f"estimated {e / MiB:.0f} MiB, error {err:+.1%}"
+        )
+        assert abs(err) < TOLERANCE
+    assert measured == sorted(measured) and estimates == sorted(estimates)

@@ -1,0 +1,189 @@
+"""Analytic memory and FLOPs of one config before it touches a device, so the study can skip
+configs that would run out of memory. Counts what `tuner.workload` actually allocates, per rank.
+
+The model: weights, gradients and optimizer state by dtype and sharding; the tensors autograd
+saves for backward by micro-batch, recompute, tensor/pipeline split and dtype; the fp32 loss over
+the logits; plus a constant per device family for what no formula sees (allocator caching,
+framework scratch, kernel code paged in on first use), calibrated from measured trials below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from tuner.config import Config, microbatches
+from tuner.devices import DeviceInfo
+from tuner.recipe import Recipe
+from tuner.workload.flops import block_params, flops_per_step
+
+GiB = 2**30
+MiB = 2**20
+
+# What the formulas cannot see, per family: measured peak minus the analytic terms.
+# cpu: 62 MiB, the median of (measured - analytic) over 14 real trials on this project's CI
+# machine (torch 2.13 CPU, 2 cores): 2-8 layers, hidden 128-512, seq 256, 1-2 gloo ranks, mbs 1-8,
+# recompute none/selective/full, amp O0/O1/O2, math/flash, dp (ddp and fsdp)/tp/pp=2. The 14 differences ranged
+# 43-77 MiB and did not grow with the model: it is libtorch/oneDNN code and gloo buffers paged in
+# on first use, which the workload counts because it measures RSS growth from before the model is
+# built. tests/test_estimate.py re-measures three configs and prints the errors (`pytest -s`).
+# cuda/npu: not calibrated on hardware yet; cuBLAS/cuDNN (or CANN) workspaces and the caching
+# allocator's rounding are typically tens of MiB, so a conservative 256 MiB is assumed.
+FAMILY_OVERHEAD_BYTES = {"cpu": 62 * MiB, "cuda": 256 * MiB, "npu": 256 * MiB}
+
+_OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # fp32 tensors per parameter
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted memory of the busiest rank (bytes) and the step's model FLOPs (all ranks)."""
+
+    peak_mem_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int  # optimizer states, fp32 master weights and their gradients (amp=O2)
+    activation_bytes: int  # saved for backward, all microbatches in flight, plus one layer's workspace
+    logits_bytes: int  # fp32 log-probabilities and their gradient at the loss
+    comm_bytes: int  # DDP gradient buckets, FSDP's unsharded parameters
+    overhead_bytes: int  # the family's calibrated constant
+    flops_per_step: float  # model FLOPs of one optimizer step over the global batch
+    hardware_flops_per_step: float  # including recompute
+    stage: int  # the pipeline stage the peak belongs to
+
+    def breakdown(self) -> dict[str, float]:
+        """Every term in GiB (and the FLOPs in TFLOP), for tables and trial evidence."""
+        out = {k: v / GiB for k, v in asdict(self).items() if k.endswith("_bytes")}
+        out["flops_per_step_tflop"] = self.flops_per_step / 1e12
+        out["hardware_flops_per_step_tflop"] = self.hardware_flops_per_step / 1e12
+        out["stage"] = self.stage
+        return out
+
+
+def budget_bytes(recipe: Recipe, device: DeviceInfo) -> int:
+    """Peak memory one rank may use: the recipe's budget, else the device's memory.
+
+    On CPU every rank shares the machine's RAM, so each gets an equal part of it.
+    """
+    if recipe.hardware.memory_budget_gb is not None:
+        return int(recipe.hardware.memory_budget_gb * GiB)
+    if device.family == "cpu":
+        return device.memory_bytes // recipe.hardware.devices
+    return device.memory_bytes
+
+
+def predicts_oom(est: Estimate, budget: int, margin: float = 0.15) -> bool:
+    """True when the estimate exceeds the budget by more than `margin` (the estimator's error)."""
+    return est.peak_mem_bytes > budget * (1 + margin)
+
+
+def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
+    stages = [_stage(recipe, config, device, s) for s in range(config.pp)]
+    worst = max(stages, key=lambda e: e.peak_mem_bytes)
+    model_flops = flops_per_step(recipe)
+    # Recompute repeats forward work (1/3 of forward+backward): all of a block, or its attention.
+    m = recipe.model
+    attention_share = (4 * m.hidden**2 + 2 * m.hidden * m.seq_len) / (
+        4 * m.hidden**2 + 2 * m.hidden * m.ffn_size + 2 * m.hidden * m.seq_len
+    )
+    repeat = {"none": 0.0, "full": 1 / 3, "selective": attention_share / 3}[config.recompute]
+    return Estimate(
+        **{
+            **asdict(worst),
+            "flops_per_step": model_flops,
+            "hardware_flops_per_step": model_flops * (1 + repeat),
+        }
+    )
+
+
+def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Estimate:
+    m, c = recipe.model, config
+    first, last = stage == 0, stage == c.pp - 1
+    low = c.amp != "O0"
+    fsdp = c.dp > 1 and c.dp_shard == "fsdp"
+
+    # ---- parameters on this rank (tp splits the block matmuls only: embeddings and head are whole)
+    h, f = m.hidden, m.ffn_size
+    block_matmul = 4 * h * h + 2 * h * f
+    block = block_matmul // c.tp + (block_params(m) - block_matmul)
+    n_params = (m.layers // c.pp) * block
+    root = 0  # parameters outside the blocks (what FSDP keeps gathered through the whole step)
+    if first:
+        root += m.vocab * h + m.seq_len * h
+    if last:
+        root += 2 * h + h * m.vocab
+    n_params += root
+    shard = c.dp if fsdp else 1
+
+    p_bytes = 2 if (c.amp == "O2" and not fsdp) else 4  # O2 casts the model; FSDP keeps fp32 shards
+    params = n_params * p_bytes // shard
+    grads = params
+    states = _OPTIMIZER_STATES[recipe.train.optimizer] * 4 * n_params // shard
+    if c.amp == "O2" and not fsdp:
+        states += 2 * 4 * n_params  # fp32 master weights and the upcast gradients they step on
+    if c.optimizer_impl == "foreach":
+        states += 4 * n_params // shard  # foreach's batched temporaries while stepping
+    comm = 0
+    if c.dp > 1 and not fsdp:
+        comm = grads  # DDP's bucket buffers are a second copy of the gradients
+    elif fsdp:
+        gathered = 2 if c.amp == "O2" else 4
+        comm = (root + block) * gathered * 2  # root stays gathered; one block's params and grads
+
+    # ---- activations: bytes saved per microbatch per layer, then microbatches in flight
+    b, s = c.micro_batch_size, m.seq_len
+    heads = m.heads // c.tp
+    comp = 2 if low else 4  # matmul inputs are cast (O1) or already low precision (O2)
+    resid = 2 if c.amp == "O2" else 4  # the residual stream stays fp32 under autocast
+    bsh = b * s * h
+    full_layer = (
+        2 * bsh * resid  # LayerNorm inputs
+        + 2 * bsh * comp  # LayerNorm outputs saved by qkv and MLP-up
+        + 5 * bsh // c.tp * comp  # q (scaled copy too), k, v, attention output
+        + 2 * b * s * f // c.tp * comp  # GELU input, MLP-down input
+        + _attention_matrix(c.attention, b, heads, s, comp, device.family, bsh // c.tp)
+    )
+    saved_layer = {
+        "none": full_layer,
+        "full": bsh * resid,  # only the block input
+        "selective": 2 * bsh * resid + bsh * 4 + bsh * comp + 2 * b * s * f // c.tp * comp,
+    }[c.recompute]
+    if c.offload:
+        saved_layer = 0  # saved tensors live in host memory
+    layers = m.layers // c.pp
+    n_micro = microbatches(c, recipe)
+    in_flight = 1 if c.pp == 1 else (n_micro if c.pp_schedule == "gpipe" else min(c.pp - stage, n_micro))
+    edge = 2 * bsh * resid if last else 0  # final LayerNorm input and output
+    activations = in_flight * (layers * saved_layer + edge) + full_layer  # + one layer recomputed/backward
+    if c.amp == "O1":
+        activations += 2 * block_matmul * layers // c.tp  # autocast's low-precision weight cache
+    logits = 0
+    if last:
+        # fp32 log-softmax output, the incoming gradient and the gradient it produces; with amp
+        # also the low-precision logits and the gradient cast back to them.
+        per_token = 12 if c.amp == "O0" else 16
+        logits = per_token * b * s * m.vocab * (n_micro if c.pp > 1 and c.pp_schedule == "gpipe" else 1)
+
+    overhead = FAMILY_OVERHEAD_BYTES.get(device.family, 256 * MiB)
+    peak = params + grads + states + comm + activations + logits + overhead
+    return Estimate(
+        peak_mem_bytes=int(peak),
+        params_bytes=int(params),
+        grads_bytes=int(grads),
+        optimizer_bytes=int(states),
+        activation_bytes=int(activations),
+        logits_bytes=int(logits),
+        comm_bytes=int(comm),
+        overhead_bytes=int(overhead),
+        flops_per_step=0.0,
+        hardware_flops_per_step=0.0,
+        stage=stage,
+    )
+
+
+def _attention_matrix(backend: str, b: int, heads: int, s: int, comp: int, family: str, qkv: int) -> int:
+    """The math kernel saves the softmax probabilities; fused kernels only a log-sum-exp row."""
+    if backend != "math":
+        return b * heads * s * 4
+    if family == "cpu" and comp < 4:
+        # On CPU the math kernel upcasts low-precision q, k, v to fp32 and keeps fp32 copies.
+        return b * heads * s * s * 4 + 3 * qkv * 4 + s * s
+    return b * heads * s * s * comp + s * s  # + the causal mask
