@@ -1,0 +1,114 @@
+"""`tuner measure` as a user runs it: a subprocess, its exit status, stdout and stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tuner.cli.measure import default_config
+from tuner.config import ConfigError
+from tuner.result import RESULT_KEYS
+
+TINY = {
+    "name": "cli-tiny",
+    "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256},
+    "train": {"global_batch_size": 8},
+    "hardware": {"device": "cpu", "devices": 2},
+    "measure": {"warmup_steps": 1, "steps": 3},
+}
+
+
+@pytest.fixture
+def recipe(tmp_path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return path
+
+
+def tuner(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "tuner.cli.main", "measure", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# ---- bad input: exit 2, a message, no traceback --------------------------------------------------
+
+
+@pytest.mark.slow
+def test_unknown_knob_exits_2_and_lists_the_knobs(recipe, tmp_path):
+    out = tuner(str(recipe), "--set", "microbatch=4", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "unknown knob 'microbatch'" in out.stderr
+    assert "micro_batch_size" in out.stderr and "cpu_affinity" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+@pytest.mark.slow
+def test_infeasible_config_exits_2_with_every_reason(recipe, tmp_path):
+    out = tuner(str(recipe), "--set", "tp=3", "--set", "tf32=true", cwd=tmp_path)
+    assert out.returncode == 2
+    for reason in ("dp*tp*pp = 1*3*1 = 3", "heads (4) not divisible by tp (3)", "tf32 is not supported"):
+        assert reason in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_bad_recipe_exits_2_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**TINY, "model": {**TINY["model"], "layers": 0}}))
+    out = tuner(str(bad), cwd=tmp_path)
+    assert out.returncode == 2 and "model.layers" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unset_degrees_take_up_the_devices():
+    assert (lambda c: (c.dp, c.tp, c.pp))(default_config(2, {"tp": "2"})) == (1, 2, 1)
+    assert (lambda c: (c.dp, c.tp, c.pp))(default_config(8, {"pp": "2"})) == (4, 1, 2)
+    assert (lambda c: (c.dp, c.tp, c.pp))(default_config(4, {"dp": "1"})) == (1, 4, 1)
+    assert (lambda c: (c.dp, c.tp, c.pp))(default_config(4, {})) == (4, 1, 1)
+    # Not divisible: left for the feasibility check to explain.
+    assert default_config(4, {"tp": "3"}).world_size == 3
+    with pytest.raises(ConfigError, match="valid values: none, selective, full"):
+        default_config(2, {"recompute": "all"})
+
+
+# ---- a real trial ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_json_profile_and_derived_split(recipe, tmp_path):
+    prof = tmp_path / "prof"
+    out = tuner(str(recipe), "--set", "tp=2", "--json", "--profile", str(prof), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert list(doc) == [*RESULT_KEYS, "extra"]
+    assert doc["status"] == "ok", doc["error"]
+    assert doc["step_time_s"] > 0 and doc["tokens_per_s"] > 0 and doc["estimated_peak_mem_bytes"] > 0
+    assert (doc["extra"]["config"]["dp"], doc["extra"]["config"]["tp"]) == (1, 2)
+    # Each rank really held half of every block's matmul weights.
+    assert {r["coords"]["tp"] for r in doc["extra"]["ranks"]} == {0, 1}
+    assert (prof / "trace-rank0.json").stat().st_size > 0 and (prof / "trace-rank1.json").exists()
+    report = json.loads((prof / "breakdown.json").read_text())
+    assert report["seconds_per_step"] and report["top_operators"]
+    assert Path(doc["extra"]["log_path"]).exists()
+
+
+@pytest.mark.slow
+def test_a_failed_trial_still_exits_0_and_shows_its_status(recipe, tmp_path):
+    out = tuner(str(recipe), "--timeout", "1", "--workdir", str(tmp_path / "w"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "trial: timeout" in out.stdout
+    assert "ran past its timeout of 1s" in out.stdout
+    assert (tmp_path / "w" / "trial.log").exists()
