@@ -1,0 +1,314 @@
+"""`tuner tune` (search a recipe's space with live progress) and `tuner show` (what a study found)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from tuner.cli.common import err_console, fail, load_recipe_or_exit
+
+SAMPLERS = ("tpe", "gp", "cmaes", "random", "grid")
+
+TUNE_HELP = """Search RECIPE's knob space on this machine's devices and report the fastest config.
+
+Each trial runs the model for real (one process per device). Configs the feasibility rules reject, or that the memory estimator predicts to run out of memory, are skipped without using a device. The baseline (what a careful user would try by hand) runs first, so the result is a speedup.
+
+Results live in an Optuna database (default ./tuner.db, or $TUNER_DATABASE_URL). Interrupt at any time (Ctrl-C, or even kill -9) and run the same command again: the study continues, and --trials counts the study's total.
+
+\b
+Examples:
+  tuner tune recipes/gpt-tiny.yaml
+  tuner tune recipes/gpt-tiny.yaml --trials 50 --timeout 20 --sampler tpe --seed 1
+  tuner tune recipes/gpt-tiny.yaml --storage postgresql+psycopg://user@db/tuner --json
+  tuner tune recipes/gpt-small.yaml --executor ray --patience 10
+
+Exit status: 0 when the study ran (even if no config succeeded; see the counts), 2 on bad input, 130 when interrupted.
+"""
+
+SHOW_HELP = """Show what the study of RECIPE on this machine found: the best config, the speedup over the baseline, the top configs and what the search cost. Reads the database only.
+
+\b
+Examples:
+  tuner show recipes/gpt-tiny.yaml
+  tuner show recipes/gpt-tiny.yaml --top 10 --json
+  tuner show recipes/gpt-tiny.yaml --study gpt-tiny-54e6a326cb78ac5c-3dca968c-nightly-2026-01-31
+"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("tune", help=TUNE_HELP, no_args_is_help=True)(tune)
+    app.command("show", help=SHOW_HELP, no_args_is_help=True)(show)
+
+
+def _storage_or_exit(url: str | None) -> str:
+    from tuner.storage import default_storage_url, get_storage
+
+    url = url or default_storage_url()
+    try:
+        get_storage(url)
+    except ValueError as err:
+        fail(str(err))
+    return url
+
+
+def _preflight(recipe: Any, sampler: str) -> None:
+    """Check what would otherwise surface mid-study, so bad input costs no device time."""
+    from tuner.devices import describe, resolve_family
+    from tuner.space import SpaceError, load_space
+    from tuner.study import make_sampler
+
+    try:
+        family = resolve_family(recipe.hardware.device)
+        space = load_space(recipe.search.space or family).narrow(recipe.search.overrides)
+        make_sampler(sampler, 0, recipe.search.objective == "throughput_memory")
+    except (SpaceError, ValueError) as err:
+        fail(str(err))
+    have = describe(family).count
+    if recipe.hardware.devices > have:
+        fail(
+            f"hardware.devices: the recipe asks for {recipe.hardware.devices} {family} devices but this "
+            f"machine has {have}; lower hardware.devices"
+        )
+    if not space.splits(recipe.hardware.devices):
+        fail(
+            f"search.overrides: no dp*tp*pp split in the space multiplies to hardware.devices={recipe.hardware.devices}"
+        )
+
+
+def short_config(config: dict[str, Any]) -> str:
+    """The knobs that differ from the plain defaults, plus the batch and the parallel split."""
+    from tuner.config import Config
+
+    default = Config().to_dict()
+    head = (
+        f"mbs={config.get('micro_batch_size')} dp{config.get('dp')}-tp{config.get('tp')}-pp{config.get('pp')}"
+    )
+    rest = [
+        f"{k}={v}"
+        for k, v in config.items()
+        if k not in ("micro_batch_size", "dp", "tp", "pp") and default.get(k) != v
+    ]
+    return " ".join([head, *rest])
+
+
+def tune(
+    recipe_path: str = typer.Argument(..., metavar="RECIPE", help="Recipe file (YAML or JSON)."),
+    trials: int | None = typer.Option(
+        None, "--trials", "-n", metavar="N", help="Trials in the study in all (default: search.trials)."
+    ),
+    timeout: float | None = typer.Option(
+        None,
+        "--timeout",
+        metavar="MIN",
+        help="Start no new trial after MIN minutes (default: search.timeout_min).",
+    ),
+    storage: str | None = typer.Option(
+        None,
+        "--storage",
+        metavar="URL",
+        help="Optuna database URL (default: $TUNER_DATABASE_URL or sqlite:///tuner.db).",
+    ),
+    sampler: str | None = typer.Option(
+        None, "--sampler", metavar="|".join(SAMPLERS), help="Search algorithm (default: search.sampler)."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Sampler seed (default: search.seed)."),
+    patience: int | None = typer.Option(
+        None, "--patience", metavar="N", help="Stop when the best has not improved for N trials."
+    ),
+    executor: str = typer.Option("local", "--executor", metavar="local|ray", help="Where trials run."),
+    remeasure: int = typer.Option(
+        3, "--remeasure", metavar="K", help="Measure the top K configs again at the end."
+    ),
+    top: int = typer.Option(5, "--top", metavar="K", help="Rows in the top-configs table."),
+    as_json: bool = typer.Option(False, "--json", help="Print the study summary as JSON on stdout."),
+) -> None:
+    recipe = load_recipe_or_exit(recipe_path)
+    if trials is not None and trials < 1:
+        fail(f"--trials: must be at least 1, got {trials}")
+    if timeout is not None and timeout <= 0:
+        fail(f"--timeout: must be a positive number of minutes, got {timeout:g}")
+    if patience is not None and patience < 1:
+        fail(f"--patience: must be at least 1, got {patience}")
+    if remeasure < 0:
+        fail(f"--remeasure: must be 0 or more, got {remeasure}")
+    if sampler is not None and sampler not in SAMPLERS:
+        fail(f"--sampler: unknown sampler {sampler!r}; use one of {', '.join(SAMPLERS)}")
+    if executor not in ("local", "ray"):
+        fail(f"--executor: unknown executor {executor!r}; use local or ray")
+    _preflight(recipe, sampler or recipe.search.sampler)
+    url = _storage_or_exit(storage)
+
+    from tuner.executors import make_executor
+    from tuner.study import run_study
+
+    try:
+        runner = make_executor(executor)
+    except (ImportError, RuntimeError, ValueError, ConnectionError) as err:
+        fail(f"--executor {executor}: cannot start it: {err}")
+    total = trials if trials is not None else recipe.search.trials
+    try:
+        with runner, _LiveProgress(total) as live:
+            summary = run_study(
+                recipe,
+                storage_url=url,
+                executor=runner,
+                trials=trials,
+                timeout_s=timeout * 60 if timeout is not None else None,
+                patience=patience,
+                sampler=sampler,
+                seed=seed,
+                progress=live.on_event,
+                remeasure_top=remeasure,
+            )
+    except KeyboardInterrupt:
+        err_console.print(
+            "[yellow]interrupted[/]: running trials were stopped; run the same command again to continue"
+        )
+        raise typer.Exit(130) from None
+    _report(summary, as_json, top)
+
+
+def show(
+    recipe_path: str = typer.Argument(..., metavar="RECIPE", help="Recipe file (YAML or JSON)."),
+    storage: str | None = typer.Option(
+        None,
+        "--storage",
+        metavar="URL",
+        help="Optuna database URL (default: $TUNER_DATABASE_URL or sqlite:///tuner.db).",
+    ),
+    top: int = typer.Option(5, "--top", metavar="K", help="Rows in the top-configs table."),
+    study: str | None = typer.Option(
+        None, "--study", metavar="NAME", help="Show this study instead of the recipe's study on this machine."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the study summary as JSON on stdout."),
+) -> None:
+    recipe = load_recipe_or_exit(recipe_path)
+    if top < 1:
+        fail(f"--top: must be at least 1, got {top}")
+    url = _storage_or_exit(storage)
+    from tuner.devices import resolve_family
+    from tuner.fingerprint import fingerprint
+    from tuner.study import study_name
+    from tuner.summary import summarize
+
+    if study is None:
+        try:
+            study = study_name(recipe, fingerprint(resolve_family(recipe.hardware.device)))
+        except ValueError as err:
+            fail(str(err))
+    try:
+        summary = summarize(study, url, top_k=top)
+    except KeyError:
+        fail(f"no study {study!r} in {url}; run `tuner tune {recipe_path}` first (or pass --storage/--study)")
+    _report(summary, as_json, top)
+
+
+class _LiveProgress:
+    """A rich progress bar on stderr fed by the study's progress events."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]trials"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("best [green]{task.fields[best]}[/] tokens/s"),
+            TextColumn("[dim]{task.fields[current]}"),
+            console=err_console,
+        )
+        self.task = self.progress.add_task("tune", total=total, best="-", current="")
+
+    def __enter__(self) -> _LiveProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        fields: dict[str, Any] = {"completed": event.get("done", 0), "total": event.get("total")}
+        if event.get("best_tokens_per_s") is not None:
+            fields["best"] = f"{event['best_tokens_per_s']:,.0f}"
+        if event["event"] == "trial_started":
+            fields["current"] = f"#{event['trial']} {short_config(event['config'])}"
+        elif event["event"] == "trial_finished":
+            res = event.get("result") or {}
+            fields["current"] = f"#{event['trial']} {res.get('status')}"
+        elif event["event"] == "done":
+            fields["current"] = f"done ({event.get('reason')})"
+        self.progress.update(self.task, **fields)
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3g}{unit}" if abs(value) < 100 else f"{value:,.0f}{unit}"
+    return f"{value}{unit}"
+
+
+def _report(summary: Any, as_json: bool, top: int) -> None:
+    if as_json:
+        typer.echo(json.dumps(summary.to_dict(), indent=1, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Console()
+    out.print(f"[bold]study[/] {summary.study_name}  [dim]({summary.storage_url})[/]")
+    counts = ", ".join(f"{n} {k}" for k, n in sorted(summary.counts.items()))
+    out.print(f"trials: {summary.n_trials} ({counts or 'none'})")
+    best = summary.best
+    if best is None:
+        out.print(
+            "[red]no config finished ok[/]; see the counts above and the trials' errors in the database"
+        )
+        return
+    m = best["metrics"]
+    table = Table(title=f"best config (trial {best['trial']})", show_header=True)
+    table.add_column("knob")
+    table.add_column("value")
+    for k, v in best["config"].items():
+        table.add_row(k, str(v))
+    out.print(table)
+    gib = 2**30
+    peak = m.get("peak_mem_reserved_bytes")
+    again = best["remeasured_tokens_per_s"]
+    out.print(
+        f"tokens/s [bold green]{best['tokens_per_s']:,.0f}[/]"
+        + (f" (median of {1 + len(again)} runs)" if again else "")
+        + f", step {_fmt(m.get('step_time_s'), ' s')}, MFU {_fmt(m.get('mfu'))}, "
+        f"peak memory {_fmt(peak / gib if peak else None, ' GiB')}"
+    )
+    if summary.speedup is not None:
+        out.print(
+            f"speedup over the baseline (trial {summary.baseline['trial']}, "
+            f"{summary.baseline['tokens_per_s']:,.0f} tokens/s): [bold]{summary.speedup:.2f}x[/]"
+        )
+    if summary.tie:
+        ru = summary.runner_up
+        out.print(
+            f"[yellow]tie[/]: trial {ru['trial']} ({ru['tokens_per_s']:,.0f} tokens/s) is within the "
+            f"measurement noise of the best; either is fine: {short_config(ru['config'])}"
+        )
+    tops = Table(title=f"top {min(top, len(summary.top_k))} configs")
+    for col in ("trial", "tokens/s", "noise", "config"):
+        tops.add_column(col)
+    for e in summary.top_k[:top]:
+        tops.add_row(
+            str(e["trial"]), f"{e['tokens_per_s']:,.0f}", f"{e['noise']:.1%}", short_config(e["config"])
+        )
+    out.print(tops)
+    for e in summary.flagged:
+        out.print(f"[yellow]excluded[/] trial {e['trial']}: {e['flag']}")
+    spent = summary.device_seconds
+    by_status = ", ".join(f"{k} {v:,.0f}" for k, v in spent.items() if k != "total")
+    out.print(f"device-seconds: {spent.get('total', 0):,.0f} ({by_status or 'none'})")
+    if summary.payback_hours is not None:
+        out.print(
+            f"payback: the search pays for itself after {summary.payback_hours:,.2f} h of training at the found speed"
+        )
