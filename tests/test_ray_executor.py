@@ -1,0 +1,109 @@
+"""The Ray executor beyond the shared contract: per-host core leases, trials no node can hold, and a
+worker killed in the middle of a trial."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest_ray import RAY_CPUS, collect, start_ray_runtime, tiny_spec, trial_pids, wait_for
+
+from tuner.executors.ray_executor import CoreLease, RayExecutor
+
+
+def test_core_leases_never_share_a_core(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    leases = [CoreLease.try_take(1, str(tmp_path)) for _ in cores]
+
+    assert sorted(c for lease in leases for c in lease.cores) == cores
+    assert CoreLease.try_take(1, str(tmp_path)) is None  # every core is taken
+    leases[0].release()
+    again = CoreLease.try_take(1, str(tmp_path))
+    assert again.cores == leases[0].cores
+
+
+def test_core_lease_of_a_killed_holder_is_free_again(tmp_path):
+    count = len(os.sched_getaffinity(0))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from tuner.executors.ray_executor import CoreLease; "
+            f"lease = CoreLease.try_take({count}, {str(tmp_path)!r}); print(lease.cores, flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() != "None"
+        assert CoreLease.try_take(1, str(tmp_path)) is None
+    finally:
+        holder.kill()
+        holder.wait()
+    assert CoreLease.try_take(count, str(tmp_path)) is not None
+
+
+@pytest.fixture(scope="module")
+def executor():
+    ray = start_ray_runtime()
+    ex = RayExecutor()
+    yield ex
+    ex.close()
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_trial_bigger_than_any_node_comes_back_unschedulable(executor, tmp_path):
+    too_many = tiny_spec(tmp_path, "too-many-cores", ranks=RAY_CPUS + 1)
+    no_gpu = dataclasses.replace(tiny_spec(tmp_path, "no-gpu"), family="cuda")
+
+    for spec in (too_many, no_gpu):
+        assert executor.free_slots(spec) >= 1  # a study must not wait forever for it
+        executor.submit(spec)
+    results = {r.tag: r for r in collect(executor, {"too-many-cores", "no-gpu"}, timeout_s=10)}
+
+    assert results["too-many-cores"].status == "error"
+    assert results["too-many-cores"].error_kind == "unschedulable"
+    assert f"needs {RAY_CPUS + 1} CPU on one node" in results["too-many-cores"].error
+    assert f"largest node has {RAY_CPUS} CPU" in results["too-many-cores"].error
+    assert "largest node has 0 GPU" in results["no-gpu"].error
+    assert executor.running() == []
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_path):
+    long = tiny_spec(tmp_path, "long", steps=10_000)  # minutes: it only ends by the kill
+    executor.submit(long)
+    with pytest.raises(ValueError, match="already running"):
+        executor.submit(long)
+
+    def started():
+        executor.wait(timeout=0.1)  # reads the task's "started on node ..." message
+        return executor.where("long") if len(trial_pids(long)) == 2 else None
+
+    where = wait_for(started, 90, "the long trial's launcher and rank")
+    os.kill(where["worker_pid"], signal.SIGKILL)
+    died = collect(executor, {"long"}, timeout_s=30)
+
+    assert [r.tag for r in died] == ["long"]
+    assert died[0].status == "error"
+    assert died[0].error_kind == "worker_died"
+    assert "WorkerCrashedError" in died[0].error
+    # The ranks follow their dead worker (parent-death signals), so the cores are really free.
+    wait_for(lambda: not trial_pids(long), 15, "the dead worker's trial processes to exit")
+
+    t0 = time.monotonic()
+    after = executor.run(tiny_spec(tmp_path, "after"))
+    assert after.status == "ok", after.error
+    assert after.extra["ray_node_id"] == where["ray_node_id"]
+    assert after.extra["ray_node_ip"] and after.node
+    assert len(after.extra["cores"]) == 1
+    assert os.path.exists(after.log_path) and "ok: step" in after.log_tail
+    assert after.wall_s <= time.monotonic() - t0
+    assert executor.wait(timeout=0.5) == []  # the dead trial is not reported a second time
