@@ -39,9 +39,10 @@ class _RecordingTrial:
         self.rng = rng
         self.params: dict[str, Any] = {}
         self.choices: dict[str, tuple[Any, ...]] = {}
+        self._fixed_params: dict[str, Any] = {}  # knobs that follow from earlier choices, as in Optuna
 
     def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
-        value = self.rng.choice(choices)
+        value = self._fixed_params[name] if name in self._fixed_params else self.rng.choice(choices)
         self.params[name] = value
         self.choices[name] = tuple(choices)
         return value

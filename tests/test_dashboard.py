@@ -1,0 +1,279 @@
+"""The dashboard's server side (real app, real SQLite database with seeded Optuna studies): the
+trials table, plot aggregation of large studies, best card, comparison, nightly history, auth,
+offline assets, and optuna-dashboard reading the same database."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import optuna
+import pytest
+from fastapi.testclient import TestClient
+
+from api import Settings, create_app
+from api.auth import create_token
+from api.dashboard.plots import pareto_front
+from api.dashboard.seed import seed_job
+from api.dashboard.store import load_study_rows
+from tuner.db import Build, Job, NightlyResult, session_scope
+from tuner.migrations import upgrade
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "api" / "dashboard"
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    """One database for the module: a 300-trial job, a 1,500-trial job and a second 300-trial job."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('dash') / 'tuner.db'}"
+    upgrade(url)
+    small = seed_job(url, 300, running=1, state="running", seed=1)
+    large = seed_job(url, 1500, seed=2)
+    other = seed_job(url, 300, seed=3, name="gpt-tiny-b")
+    with session_scope(url) as s:
+        token = create_token(s, "dash")
+    return {
+        "url": url,
+        "small": small,
+        "large": large,
+        "other": other,
+        "auth": {"Authorization": f"Bearer {token}"},
+    }
+
+
+@pytest.fixture(scope="module")
+def client(db):
+    with TestClient(create_app(Settings(database_url=db["url"]))) as c:
+        yield c
+
+
+def _get(client, db, path, **params):
+    resp = client.get(path, params=params, headers=db["auth"])
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _rows(db, key):
+    with session_scope(db["url"]) as s:
+        return load_study_rows(s, s.get(Job, db[key]).study_name).rows
+
+
+def test_reader_agrees_with_optuna(db):
+    """The bulk reader (and the seeder) against Optuna's own storage API, trial by trial."""
+    with session_scope(db["url"]) as s:
+        name = s.get(Job, db["small"]).study_name
+    trials = optuna.load_study(study_name=name, storage=db["url"]).get_trials(deepcopy=False)
+    rows = _rows(db, "small")
+    assert [r.number for r in rows] == [t.number for t in trials]
+    for r, t in zip(rows, trials, strict=True):
+        assert r.params == t.params
+        assert r.attrs == t.user_attrs
+        assert r.state == t.state.name.lower()
+        if t.values:
+            assert r.values == t.values
+    assert {r.state for r in rows} >= {"complete", "fail", "running"}
+
+
+def test_table_sorts_filters_and_pages_on_the_server(client, db):
+    path = f"/ui/api/jobs/{db['small']}/trials"
+    first = _get(client, db, path, size=20, sort="-tokens_per_s")
+    assert first["total"] == 301 and first["pages"] == 16 and len(first["items"]) == 20
+    speeds = [t["tokens_per_s"] for t in first["items"]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert speeds[0] == max(r.tokens_per_s for r in _rows(db, "small") if r.tokens_per_s is not None)
+    second = _get(client, db, path, size=20, sort="-tokens_per_s", page=2)
+    assert second["items"][0]["tokens_per_s"] <= speeds[-1]
+    assert not {t["number"] for t in first["items"]} & {t["number"] for t in second["items"]}
+
+    oom = _get(client, db, path, status="oom", size=200)
+    assert oom["total"] == first["status_counts"]["oom"] > 0
+    assert {t["status"] for t in oom["items"]} == {"oom"}
+
+    both = _get(client, db, path, status=["oom", "error"], knob="recompute:none", size=200)
+    assert both["items"] and all(t["params"]["recompute"] == "none" for t in both["items"])
+    assert {t["status"] for t in both["items"]} <= {"oom", "error"}
+
+    by_knob = _get(client, db, path, sort="-micro_batch_size", size=200)
+    sizes = [t["params"]["micro_batch_size"] for t in by_knob["items"]]
+    assert sizes == sorted(sizes, reverse=True)
+    assert set(first["knobs"]["recompute"]) == {"none", "selective", "full"}
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"sort": "speed"}, "sort"),
+        ({"knob": "nope:1"}, "knob"),
+        ({"knob": "recompute"}, "knob"),
+        ({"size": 0}, "size"),
+    ],
+)
+def test_bad_table_query_names_the_field(client, db, params, field):
+    resp = client.get(f"/ui/api/jobs/{db['small']}/trials", params=params, headers=db["auth"])
+    assert resp.status_code == 422
+    assert resp.json()["errors"][0]["field"] == field
+
+
+def test_reads_need_a_token_unless_public(client, db):
+    path = f"/ui/api/jobs/{db['small']}/overview"
+    assert client.get(path).status_code == 401
+    assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 403
+    with TestClient(create_app(Settings(database_url=db["url"], public_reads=True))) as public:
+        assert public.get(path).status_code == 200
+    # The pages themselves hold no data: they load without a token and ask for one.
+    assert client.get("/ui/jobs").status_code == 200
+
+
+def test_plots_of_a_large_study_are_downsampled_but_keep_what_matters(client, db):
+    data = _get(client, db, f"/ui/api/jobs/{db['large']}/plots")
+    rows = _rows(db, "large")
+    assert data["total"] == 1500 and data["sampled"] <= 1000
+    h = data["history"]
+    # Every best-so-far improvement is kept, so the best line is exact.
+    best, steps = None, []
+    for r in rows:
+        if r.state == "complete" and (best is None or r.tokens_per_s > best):
+            best = r.tokens_per_s
+            steps.append(r.number)
+    assert set(steps) <= set(h["number"]) and h["best"][-1] == best
+    failed = [r.number for r in rows if r.failed]
+    assert h["failed"]["number"] == failed  # fewer than a quarter of the points: all kept
+    # The Pareto front is non-dominated and exactly the full study's front.
+    front = data["pareto"]["front"]
+    assert front["number"] == [
+        r.number for r in sorted(pareto_front(rows), key=lambda r: r.attrs["peak_mem_allocated_bytes"])
+    ]
+    # The seeded speed model makes micro-batch size and compile the knobs that matter.
+    assert data["importance"]["params"][0] in ("micro_batch_size", "compile")
+    assert set(data["importance"]["params"][:3]) & {"micro_batch_size", "compile"}
+    assert [d["name"] for d in data["parallel"]["dimensions"]] == data["importance"]["params"][:6]
+    assert len(data["memory"]["number"]) == len(data["memory"]["measured"]) > 0
+
+
+def test_overview_has_best_speedup_failures_and_build(client, db, tmp_path):
+    data = _get(client, db, f"/ui/api/jobs/{db['large']}/overview")
+    rows = _rows(db, "large")
+    best = max((r for r in rows if r.state == "complete"), key=lambda r: r.tokens_per_s)
+    assert data["best"]["number"] == best.number
+    assert set(data["best"]["attrs"]["breakdown"]) == {
+        "compute",
+        "attention",
+        "communication",
+        "optimizer",
+        "idle",
+    }
+    with session_scope(db["url"]) as s:
+        assert data["speedup"] == pytest.approx(s.get(Job, db["large"]).speedup)
+    assert data["failures"]["total"] == sum(r.failed for r in rows)
+    assert data["failures"]["items"][0]["attrs"]["log_tail"]
+    assert data["build"]["ready"] is False
+
+    archive = tmp_path / "build.tar.gz"
+    archive.write_bytes(b"not really a tarball, but bytes with a checksum")
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    with session_scope(db["url"]) as s:
+        s.add(Build(job_id=db["large"], study_name="x", trial_number=best.number, path=str(archive),
+                    sha256=digest, size_bytes=archive.stat().st_size))  # fmt: skip
+    build = _get(client, db, f"/ui/api/jobs/{db['large']}/overview")["build"]
+    assert build == {
+        "ready": True,
+        "sha256": digest,
+        "size_bytes": archive.stat().st_size,
+        "trial_number": best.number,
+    }
+
+
+def test_compare_two_trials_from_different_jobs(client, db):
+    a, b = _rows(db, "small")[0], _rows(db, "other")[5]
+    data = _get(client, db, "/ui/api/compare", a=f"{db['small']}:{a.number}", b=f"{db['other']}:{b.number}")
+    differs = {k["name"] for k in data["knobs"] if k["differs"]}
+    assert differs == {k for k in set(a.params) | set(b.params) if a.params.get(k) != b.params.get(k)}
+    tps = next(m for m in data["metrics"] if m["name"] == "tokens_per_s")
+    if a.tokens_per_s and b.tokens_per_s:
+        assert tps["change"] == pytest.approx((b.tokens_per_s - a.tokens_per_s) / a.tokens_per_s)
+    assert data["a"]["job_id"] == db["small"] and data["b"]["recipe_name"] == "gpt-tiny-b"
+    bad = client.get("/ui/api/compare", params={"a": "1-2", "b": "1:2"}, headers=db["auth"])
+    assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "a"
+    missing = client.get(
+        "/ui/api/compare", params={"a": f"{db['small']}:99999", "b": "1:1"}, headers=db["auth"]
+    )
+    assert missing.status_code == 404
+
+
+def test_recipe_history_marks_regressions_and_what_changed(client, db):
+    fp = {"family": "cuda", "device": "NVIDIA H100", "torch": "2.8.0", "driver": "550.54"}
+    nights = [
+        (dt.date(2026, 11, 1), fp, 1000.0, "ok"),
+        (dt.date(2026, 11, 2), {**fp, "torch": "2.9.0"}, 800.0, "regression"),
+        (dt.date(2026, 11, 3), {**fp, "torch": "2.9.0"}, 805.0, "ok"),
+    ]
+    with session_scope(db["url"]) as s:
+        for night, fingerprint, best, verdict in nights:
+            s.add(NightlyResult(recipe_name="nightly-tiny", night=night, fingerprint_hash=str(hash(str(fingerprint))),
+                                fingerprint=fingerprint, best_tokens_per_s=best, verdict=verdict))  # fmt: skip
+    data = _get(client, db, "/ui/api/recipes/nightly-tiny/history")
+    assert [n["night"] for n in data["nights"]] == ["2026-11-01", "2026-11-02", "2026-11-03"]
+    assert data["regressions"] == 1
+    regression = data["nights"][1]
+    assert regression["regression"] and regression["suspects"] == ["torch"]
+    assert regression["changes"] == [{"key": "torch", "before": "2.8.0", "after": "2.9.0"}]
+    assert data["nights"][2]["changes"] == []
+
+
+def test_pages_and_assets_are_served_from_the_package_with_no_network(client):
+    for page in ("/ui/jobs", "/ui/jobs/1", "/ui/compare", "/ui/recipes/gpt-tiny"):
+        resp = client.get(page)
+        assert resp.status_code == 200 and "text/html" in resp.headers["content-type"]
+    plotly_js = client.get("/ui/static/plotly.min.js")
+    assert plotly_js.status_code == 200 and len(plotly_js.content) > 1_000_000
+    assert client.get("/ui/static/job.js").status_code == 200
+    assert client.get("/ui/static/..%2Fstore.py").status_code == 404
+    # Offline: nothing the browser loads points outside this server.
+    for f in [*DASHBOARD.glob("static/*"), *DASHBOARD.glob("templates/*")]:
+        assert not re.search(r"(src|href)=\"?(https?:)?//", f.read_text()), f
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_optuna_dashboard_lists_our_studies(db):
+    """README: `optuna-dashboard sqlite:///tuner.db` opens the same database."""
+    exe = Path(sys.executable).parent / "optuna-dashboard"
+    if not exe.exists():
+        pytest.skip("optuna-dashboard is not installed (pip install -c constraints/cpu.txt optuna-dashboard)")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [str(exe), db["url"], "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    try:
+        deadline, studies = time.monotonic() + 60, None
+        while time.monotonic() < deadline and studies is None:
+            try:
+                studies = httpx.get(f"http://127.0.0.1:{port}/api/studies", timeout=5).json()[
+                    "study_summaries"
+                ]
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        assert studies is not None, "optuna-dashboard did not answer within 60 s"
+        with session_scope(db["url"]) as s:
+            ours = {s.get(Job, db[k]).study_name for k in ("small", "large", "other")}
+        listed = {st["study_name"]: st for st in studies}
+        assert ours <= set(listed)
+    finally:
+        proc.terminate()
+        proc.wait(10)
