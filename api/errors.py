@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from tuner.db import DatabaseError
 
@@ -49,15 +50,25 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"invalid {fields}", errors), 422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, err: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(err.detail)), err.status_code, headers=getattr(err, "headers", None)
-        )
+    async def _http(req: Request, err: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(err, "headers", None) or {})
+        if err.status_code == 405:
+            # Starlette names only the first route's methods; GET and POST /v1/jobs are two routes.
+            headers["Allow"] = ", ".join(_allowed_methods(req))
+        return JSONResponse(error_body(str(err.detail)), err.status_code, headers=headers or None)
 
     @app.exception_handler(DatabaseError)
     async def _database(_req: Request, err: DatabaseError) -> JSONResponse:
         log.error("database error: %s", err)
         return JSONResponse(error_body(f"database unavailable: {err}"), 503)
+
+
+def _allowed_methods(req: Request) -> list[str]:
+    methods: set[str] = set()
+    for route in req.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(req.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return sorted(methods - {"HEAD"})  # HEAD is implied by GET and not documented
 
 
 class _TooLarge(Exception):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from fastapi import Path
 from pydantic import BaseModel, Field
 
 from tuner.db import Job
 
+# Job ids are database integers (PostgreSQL INTEGER); a larger number is a 422, not a driver error.
+JobId = Annotated[int, Path(ge=1, le=2_147_483_647, description="The job's id.")]
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 

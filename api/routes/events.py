@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from api.deps import ReadAuth, SessionDep, SettingsDep
 from api.errors import ApiError
-from api.schemas import ErrorBody
+from api.schemas import ErrorBody, JobId
 from tuner.db import FINAL_STATES, Job, JobEvent, session_scope
 
 router = APIRouter(
@@ -50,14 +50,14 @@ def _fetch(url: str, job_id: int, after: int) -> tuple[list[JobEvent], str | Non
     responses={200: {"content": {"text/event-stream": {}}, "description": "An SSE stream."}},
 )
 def read_events(
-    job_id: int,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
     _: ReadAuth,
     last_event_id: Annotated[str | None, Header(pattern=r"^[0-9]{0,18}$")] = None,
     after: Annotated[
-        int | None, Query(ge=0, description="Same as Last-Event-ID, for clients without headers.")
+        int | None, Query(ge=0, le=2**62, description="Same as Last-Event-ID, for clients without headers.")
     ] = None,
 ):
     """Follow a job: `trial_started`, `trial_finished`, `new_best`, `state`, `done` events.

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from api import trials as trial_store
 from api.deps import ReadAuth, SessionDep, SettingsDep, WriteAuth
 from api.errors import ApiError
-from api.schemas import BestPublic, ErrorBody, JobPage, JobPublic, JobState, TrialPage
+from api.schemas import BestPublic, ErrorBody, JobId, JobPage, JobPublic, JobState, TrialPage
 from api.settings import Settings
 from tuner.db import FINAL_STATES, Build, Job, add_event, utcnow
 from tuner.recipe import Recipe, RecipeError, parse_recipe, recipe_from_dict
@@ -27,10 +27,8 @@ _RECIPE_BODY = {
         "required": True,
         "description": "The recipe (DESIGN.md), as JSON or YAML. Unknown fields are refused.",
         "content": {
-            "application/json": {
-                "schema": Recipe.model_json_schema(ref_template="#/components/schemas/{model}")
-            },
-            "application/yaml": {"schema": {"type": "string"}},
+            "application/json": {"schema": {"$ref": "#/components/schemas/Recipe"}},
+            "application/yaml": {"schema": {"$ref": "#/components/schemas/Recipe"}},
         },
     }
 }
@@ -42,6 +40,16 @@ async def _raw_body(request: Request) -> bytes:
 
 
 RawBody = Annotated[bytes, Depends(_raw_body)]
+
+
+def recipe_schemas(settings: Settings) -> dict[str, dict]:
+    """The recipe's JSON Schema for the OpenAPI document, with this service's limits in it."""
+    schema = Recipe.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    search = defs["SearchSpec"]["properties"]
+    search["trials"]["maximum"] = settings.max_trials
+    search["timeout_min"]["maximum"] = settings.max_timeout_min
+    return {**defs, "Recipe": schema}
 
 
 def _get_job(session, job_id: int) -> Job:
@@ -164,14 +172,14 @@ def read_jobs(
 
 
 @router.get("/{job_id}", response_model=JobPublic)
-def read_job(job_id: int, session: SessionDep, _: ReadAuth):
+def read_job(job_id: JobId, session: SessionDep, _: ReadAuth):
     return JobPublic.from_row(_get_job(session, job_id))
 
 
 @router.post(
     "/{job_id}/cancel", status_code=202, response_model=JobPublic, responses={409: {"model": ErrorBody}}
 )
-def cancel_job(job_id: int, session: SessionDep, _: WriteAuth):
+def cancel_job(job_id: JobId, session: SessionDep, _: WriteAuth):
     """Cancel a job: a queued job stops at once; a running one stops its trials within seconds."""
     job = _get_job(session, job_id)
     if job.state in FINAL_STATES:
@@ -191,7 +199,7 @@ def cancel_job(job_id: int, session: SessionDep, _: WriteAuth):
 
 @router.get("/{job_id}/trials", response_model=TrialPage)
 def read_trials(
-    job_id: int,
+    job_id: JobId,
     session: SessionDep,
     _: ReadAuth,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
@@ -218,7 +226,7 @@ def read_trials(
 
 
 @router.get("/{job_id}/best", response_model=BestPublic)
-def read_best(job_id: int, session: SessionDep, settings: SettingsDep, _: ReadAuth):
+def read_best(job_id: JobId, session: SessionDep, settings: SettingsDep, _: ReadAuth):
     """The winner so far: fastest completed config (re-measured, loss checked against fp32)."""
     job = _get_job(session, job_id)
     summary = None
@@ -254,7 +262,7 @@ def read_best(job_id: int, session: SessionDep, settings: SettingsDep, _: ReadAu
         409: {"model": ErrorBody},
     },
 )
-def read_build(job_id: int, session: SessionDep, _: ReadAuth):
+def read_build(job_id: JobId, session: SessionDep, _: ReadAuth):
     """Download the build of the best config (tar.gz); `X-Checksum-Sha256` carries its sha256."""
     job = _get_job(session, job_id)
     build = session.scalar(select(Build).where(Build.job_id == job_id).order_by(Build.id.desc()).limit(1))
