@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import logging
 from contextlib import asynccontextmanager
 
@@ -28,6 +30,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if not is_current(settings.database_url):
             before, after = upgrade(settings.database_url)
             log.info("database schema upgraded %s -> %s", before, after)
+        # Search spaces and study summaries import torch (via the device layer): pay that once
+        # here, not in someone's first request.
+        await asyncio.to_thread(importlib.import_module, "tuner.space")
         yield
 
     app = FastAPI(
@@ -43,6 +48,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(events.router)
     app.include_router(system.router)
     app.include_router(dashboard_router)
+
+    def openapi() -> dict:
+        # The recipe body is read by hand (JSON or YAML), so FastAPI cannot see its schema.
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(
+                jobs.recipe_schemas(settings)
+            )
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.get("/", include_in_schema=False)
     def root():
