@@ -167,3 +167,69 @@ def test_executor_cancel_kills_trial(standin):
     assert time.monotonic() - t0 < local.TERM_GRACE_S + 3
     assert ex.running() == [] and ex.wait(timeout=0.2) == []
     assert session_pids(trial_session(spec.workdir)) == []
+
+
+# ---- the real workload: tiny GPT, 2 gloo ranks ------------------------------------------------------
+
+REAL_FAULTS = {
+    "ok": ({}, None),
+    "raise": ({"TUNER_TEST_FAULT": "raise", "TUNER_TEST_FAULT_RANK": "1"}, None),
+    "alloc": ({"TUNER_TEST_FAULT": "alloc:768"}, 512 * 2**20),
+    "segfault": ({"TUNER_TEST_FAULT": "segfault"}, None),
+    "hang": ({"TUNER_TEST_FAULT": "hang"}, None),
+}
+HANG_TIMEOUT_S = 40  # long enough to reach the first step on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def real_trials(tmp_path_factory):
+    """All five trials at once (they are mostly waiting), each through run_trial in this process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("real")
+
+    def one(name: str):
+        env, budget = REAL_FAULTS[name]
+        spec = make_spec(root, name, timeout_s=HANG_TIMEOUT_S if name == "hang" else 120)
+        spec.memory_budget_bytes = budget
+        return run_trial(spec, env=env)
+
+    with ThreadPoolExecutor(len(REAL_FAULTS)) as pool:
+        return dict(zip(REAL_FAULTS, pool.map(one, REAL_FAULTS), strict=True))
+
+
+def test_real_ok_trial_reports_the_design_keys(real_trials):
+    res = real_trials["ok"]
+    assert res.status == "ok", res.error
+    assert res.step_time_s > 0 and res.tokens_per_s > 0 and res.peak_mem_reserved_bytes > 0
+    assert len(res.losses) == 2 and all(v == v for v in res.losses)
+    assert res.wall_s > res.measured_s > 0
+    assert "[rank0] ok: step" in res.log_tail
+
+
+def test_real_raise_is_an_error_with_the_exception_text(real_trials):
+    res = real_trials["raise"]
+    assert res.status == "error"
+    assert res.error.startswith("rank 1: TUNER_TEST_FAULT=raise: injected failure")
+    assert res.error_kind == "RuntimeError"
+
+
+def test_real_alloc_over_budget_is_oom(real_trials):
+    res = real_trials["alloc"]
+    assert res.status == "oom", res.error
+    assert res.error_kind == "budget" and "memory budget" in res.error
+
+
+def test_real_segfault_names_the_signal(real_trials):
+    res = real_trials["segfault"]
+    assert res.status == "error"
+    assert "rank 0 was killed by SIGSEGV" in res.error
+    assert "Fatal Python error: Segmentation fault" in Path(res.log_path).read_text()
+
+
+def test_real_hang_times_out_and_leaves_no_process(real_trials):
+    res = real_trials["hang"]
+    assert res.status == "timeout"
+    assert "sleeping forever" in res.log_tail, "the trial should have been killed inside the hang"
+    assert session_pids(res.extra["session"]) == []
+    assert HANG_TIMEOUT_S <= res.wall_s < HANG_TIMEOUT_S + local.TERM_GRACE_S + 5

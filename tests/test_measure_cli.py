@@ -45,10 +45,49 @@ def tuner(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedPr
 
 # ---- bad input: exit 2, a message, no traceback --------------------------------------------------
 
+BAD_RUNS = {
+    "unknown knob": ["--set", "microbatch=4"],
+    "infeasible": ["--set", "tp=3", "--set", "tf32=true"],
+    "bad recipe": ["--set", "recompute=full"],  # run against a recipe with layers: 0
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The three bad invocations at once: each spends its time importing torch, not working."""
+    tmp = tmp_path_factory.mktemp("bad")
+    good, bad = tmp / "tiny.yaml", tmp / "bad.yaml"
+    good.write_text(yaml.safe_dump(TINY))
+    bad.write_text(yaml.safe_dump({**TINY, "model": {**TINY["model"], "layers": 0}}))
+    env = {**os.environ, "COLUMNS": "200"}
+    procs = {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tuner.cli.main",
+                "measure",
+                str(bad if name == "bad recipe" else good),
+                *args,
+            ],
+            cwd=tmp,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in BAD_RUNS.items()
+    }
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
+
 
 @pytest.mark.slow
-def test_unknown_knob_exits_2_and_lists_the_knobs(recipe, tmp_path):
-    out = tuner(str(recipe), "--set", "microbatch=4", cwd=tmp_path)
+def test_unknown_knob_exits_2_and_lists_the_knobs(bad_runs):
+    out = bad_runs["unknown knob"]
     assert out.returncode == 2
     assert "unknown knob 'microbatch'" in out.stderr
     assert "micro_batch_size" in out.stderr and "cpu_affinity" in out.stderr
@@ -56,8 +95,8 @@ def test_unknown_knob_exits_2_and_lists_the_knobs(recipe, tmp_path):
 
 
 @pytest.mark.slow
-def test_infeasible_config_exits_2_with_every_reason(recipe, tmp_path):
-    out = tuner(str(recipe), "--set", "tp=3", "--set", "tf32=true", cwd=tmp_path)
+def test_infeasible_config_exits_2_with_every_reason(bad_runs):
+    out = bad_runs["infeasible"]
     assert out.returncode == 2
     for reason in ("dp*tp*pp = 1*3*1 = 3", "heads (4) not divisible by tp (3)", "tf32 is not supported"):
         assert reason in out.stderr
@@ -65,10 +104,8 @@ def test_infeasible_config_exits_2_with_every_reason(recipe, tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_recipe_exits_2_naming_the_field(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({**TINY, "model": {**TINY["model"], "layers": 0}}))
-    out = tuner(str(bad), cwd=tmp_path)
+def test_bad_recipe_exits_2_naming_the_field(bad_runs):
+    out = bad_runs["bad recipe"]
     assert out.returncode == 2 and "model.layers" in out.stderr
     assert "Traceback" not in out.stderr
 

@@ -60,7 +60,14 @@ def run_trial(
     spec_path.write_text(json.dumps(spec.to_dict(), indent=1))
     log_path = workdir / "trial.log"
 
-    cmd = [sys.executable, "-m", "tuner.executors.local", str(spec_path), str(_world_size(spec)), module or RANK_MODULE]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tuner.executors.local",
+        str(spec_path),
+        str(_world_size(spec)),
+        module or RANK_MODULE,
+    ]
     if cpus:
         cmd += ["--cpus", ",".join(str(c) for c in cpus)]
     child_env = {**os.environ, **(env or {})}
@@ -69,6 +76,7 @@ def run_trial(
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
 
     start = time.monotonic()
+    started_at = time.time()
     try:
         launcher = subprocess.Popen(
             cmd,
@@ -84,9 +92,25 @@ def run_trial(
     ended = _supervise(launcher, start + spec.timeout_s, stop)
     result = _classify(spec, workdir, launcher.returncode, ended)
     result.extra["session"] = launcher.pid  # the trial's session id (its launcher leads it)
+    timeline = _timeline(workdir, started_at)
+    if timeline:
+        result.extra["timeline"] = timeline
     result.log_path = str(log_path)
     result.log_tail = tail(log_path, LOG_TAIL_LINES)
     return _finish(spec, result, start)
+
+
+def _timeline(workdir: Path, started_at: float) -> dict[str, float]:
+    """Seconds from launch to: rank 0's first output line (it prints once its training is built:
+    imports, process group and model) and the last rank's exit. Where per-trial overhead goes."""
+    exits = _read_json(workdir / "exits.json") or {}
+    out = {}
+    first = exits.get("first_output", {}).get("0")
+    if first:
+        out["rank0_ready_s"] = round(first - started_at, 3)
+    if exits.get("exits"):
+        out["last_exit_s"] = round(max(e["t"] for e in exits["exits"]) - started_at, 3)
+    return out
 
 
 def _world_size(spec: TrialSpec) -> int:
@@ -409,6 +433,7 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> 
     exits: list[dict] = []
     partial = dict.fromkeys(procs, b"")
     first_failure: float | None = None
+    first_output: dict[int, float] = {}
     terminated_at: float | None = None
     all_exited_at: float | None = None
     with open(workdir / "trial.log", "ab") as log:
@@ -423,6 +448,8 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> 
                     sel.unregister(key.fileobj)
                     chunk = b"\n" if partial[rank] else b""
                 *lines, partial[rank] = (partial[rank] + chunk).split(b"\n")
+                if lines:
+                    first_output.setdefault(rank, time.time())
                 for line in lines:
                     log.write(b"[rank%d] %s\n" % (rank, line))
                 log.flush()
@@ -444,7 +471,13 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> 
                 elif now - terminated_at > TERM_GRACE_S:
                     for p in alive:
                         p.kill()
-    record = {"session": os.getsid(0), "world_size": world, "port": port, "exits": exits}
+    record = {
+        "session": os.getsid(0),
+        "world_size": world,
+        "port": port,
+        "exits": exits,
+        "first_output": first_output,
+    }
     (workdir / "exits.json").write_text(json.dumps(record))
     return 0
 
