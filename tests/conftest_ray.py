@@ -41,7 +41,13 @@ def tiny_spec(
 def start_ray_runtime():
     import ray
 
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=RAY_CPUS,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        log_to_driver=False,
+    )
     return ray
 
 

@@ -30,7 +30,8 @@ def make_executor(request):
             from tuner.executors.ray_executor import RayExecutor
 
             request.getfixturevalue("ray_runtime")
-            ex = RayExecutor(env=env)
+            # A lease dir of its own: trials of other users of this host cannot hold up the test.
+            ex = RayExecutor(env=env, lease_dir=str(request.getfixturevalue("tmp_path") / "leases"))
         made.append(ex)
         return ex
 

@@ -93,7 +93,7 @@ def two_nodes(tmp_path_factory):
             for cmd, resource in ((head, "nodeA"), (worker, "nodeB")):
                 cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
                 subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=120)
-            ex = RayExecutor(address=f"127.0.0.1:{port}")
+            ex = RayExecutor(address=f"127.0.0.1:{port}", lease_dir=str(tmp_path_factory.mktemp("leases")))
             yield ex
             ex.close()
         finally:

@@ -14,6 +14,15 @@ import pytest
 from conftest_ray import RAY_CPUS, collect, start_ray_runtime, tiny_spec, trial_pids, wait_for
 
 from tuner.executors.ray_executor import CoreLease, RayExecutor
+from tuner.recipe import recipe_from_dict
+
+TINY_STUDY = {
+    "model": {"family": "gpt", "layers": 1, "hidden": 32, "heads": 2, "seq_len": 32, "vocab": 256},
+    "train": {"global_batch_size": 2},
+    "hardware": {"device": "cpu", "devices": 1},
+    "measure": {"warmup_steps": 1, "steps": 2},
+    "search": {"space": "cpu", "overrides": {"micro_batch_size": [1, 2], "compile": ["none"]}},
+}
 
 
 def test_core_leases_never_share_a_core(tmp_path):
@@ -50,9 +59,9 @@ def test_core_lease_of_a_killed_holder_is_free_again(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def executor():
+def executor(tmp_path_factory):
     ray = start_ray_runtime()
-    ex = RayExecutor()
+    ex = RayExecutor(lease_dir=str(tmp_path_factory.mktemp("leases")))
     yield ex
     ex.close()
     ray.shutdown()
@@ -107,3 +116,23 @@ def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_pat
     assert os.path.exists(after.log_path) and "ok: step" in after.log_tail
     assert after.wall_s <= time.monotonic() - t0
     assert executor.wait(timeout=0.5) == []  # the dead trial is not reported a second time
+
+
+@pytest.mark.slow
+def test_a_tiny_study_completes_through_ray(executor, tmp_path):
+    from tuner.study import run_study
+
+    recipe = recipe_from_dict({**TINY_STUDY, "name": "ray-study"})
+    summary = run_study(
+        recipe,
+        storage_url=f"sqlite:///{tmp_path / 'study.db'}",
+        executor=executor,
+        trials=2,
+        remeasure_top=0,
+        workdir=tmp_path,
+    )
+
+    assert summary.n_trials == 2
+    assert summary.counts.get("ok") == 2, summary.counts
+    assert summary.best["tokens_per_s"] > 0
+    assert executor.running() == []

@@ -215,7 +215,9 @@ class RayExecutor(Executor):
             if address:
                 ray.init(address=address, **quiet)
             else:
-                ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+                # "local", not None: Ray would otherwise join whatever `ray start` last ran on this
+                # host. RAY_ADDRESS=auto asks for that cluster explicitly.
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **quiet)
             self._owns_runtime = True
         self._env = env
         self._lease_dir = lease_dir or default_lease_dir()
