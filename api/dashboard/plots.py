@@ -185,6 +185,14 @@ def memory(sample: list[TrialRow]) -> dict[str, list[Any]]:
     }
 
 
+def _varying(study: StudyRows) -> list[str]:
+    seen: dict[str, set[str]] = {}
+    for r in study.rows:
+        for k, v in r.params.items():
+            seen.setdefault(k, set()).add(_label(v))
+    return [k for k, values in sorted(seen.items()) if len(values) > 1]
+
+
 def plot_data(study: StudyRows) -> dict[str, Any]:
     """Every plot of the job page, computed once per study version."""
     with study.lock:
@@ -198,7 +206,8 @@ def plot_data(study: StudyRows) -> dict[str, Any]:
             "sampled": len(sample),
             "history": history(sample),
             "importance": {"params": list(ranked), "values": list(ranked.values())},
-            "parallel": parallel(sample, list(ranked)),
+            # Before importance can be computed (4 trials), every knob that varies gets an axis.
+            "parallel": parallel(sample, list(ranked) or _varying(study)),
             "pareto": pareto(sample),
             "memory": memory(sample),
         }

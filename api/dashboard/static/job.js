@@ -208,7 +208,9 @@ async function loadPlots() {
   await plotlyLoaded;
   const jobs = [];
   if (data.history && data.history.number.length + data.history.failed.number.length) jobs.push(plots.history($("plot-history"), data.history));
+  $("plot-importance").querySelector("p.muted")?.remove();
   if (data.importance && data.importance.params.length) jobs.push(plots.importance($("plot-importance"), data.importance));
+  else $("plot-importance").replaceChildren(el("p", { class: "muted" }, "Knob importance appears after 4 completed trials."));
   if (data.parallel && data.parallel.number.length > 1) jobs.push(plots.parallel($("plot-parallel"), data.parallel));
   if (data.pareto && data.pareto.all.number.length) jobs.push(plots.pareto($("plot-pareto"), data.pareto));
   if (data.memory && data.memory.number.length) jobs.push(plots.memory($("plot-memory"), data.memory));

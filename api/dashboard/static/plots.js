@@ -19,14 +19,14 @@ export function history(node, h) {
       text: h.failed.number.map((n, i) => `#${n} ${h.failed.status[i]}: ${h.failed.error[i]}`), hoverinfo: "text",
     });
   }
-  return draw(node, traces, { title: "Optimisation history", xaxis: { title: "trial" }, yaxis: { title: "tokens/s" } });
+  return draw(node, traces, { title: { text: "Optimisation history" }, xaxis: { title: { text: "trial" } }, yaxis: { title: { text: "tokens/s" } } });
 }
 
 export function importance(node, imp) {
   const params = [...imp.params].reverse();
   const values = [...imp.values].reverse();
   return draw(node, [{ type: "bar", orientation: "h", x: values, y: params, text: values.map((v) => v.toFixed(2)) }],
-    { title: "Knob importance (PED-ANOVA)", xaxis: { title: "importance for tokens/s" }, margin: { ...LAYOUT.margin, l: 130 } });
+    { title: { text: "Knob importance (PED-ANOVA)" }, xaxis: { title: { text: "importance for tokens/s" } }, margin: { ...LAYOUT.margin, l: 130 } });
 }
 
 export function parallel(node, p) {
@@ -38,7 +38,7 @@ export function parallel(node, p) {
   }));
   dims.push({ label: "tokens/s", values: p.tokens_per_s });
   return draw(node, [{ type: "parcoords", line: { color: p.tokens_per_s, colorscale: "Viridis", showscale: true }, dimensions: dims }],
-    { title: "Parallel coordinates (most important knobs)", margin: { l: 60, r: 60, t: 70, b: 30 } });
+    { title: { text: "Parallel coordinates (most important knobs)" }, margin: { l: 60, r: 60, t: 70, b: 30 } });
 }
 
 export function pareto(node, p) {
@@ -48,7 +48,7 @@ export function pareto(node, p) {
       text: p.all.number.map((n) => `#${n}`) },
     { x: mib(p.front.peak_mem_bytes), y: p.front.tokens_per_s, mode: "lines+markers", name: "Pareto front",
       line: { shape: "hv" }, marker: { color: "#d62728" }, text: p.front.number.map((n) => `#${n}`) },
-  ], { title: "Pareto front: tokens/s against peak memory", xaxis: { title: "peak memory (MiB)" }, yaxis: { title: "tokens/s" } });
+  ], { title: { text: "Pareto front: tokens/s against peak memory" }, xaxis: { title: { text: "peak memory (MiB)" } }, yaxis: { title: { text: "tokens/s" } } });
 }
 
 export function memory(node, m) {
@@ -59,7 +59,7 @@ export function memory(node, m) {
   }));
   const top = Math.max(1, ...m.estimated.map((x) => x / MIB), ...m.measured.map((x) => x / MIB));
   traces.push({ x: [0, top], y: [0, top], mode: "lines", name: "exact estimate", line: { dash: "dot", color: "#888" } });
-  return draw(node, traces, { title: "Peak memory: estimated vs measured", xaxis: { title: "estimated (MiB)" }, yaxis: { title: "measured (MiB)" } });
+  return draw(node, traces, { title: { text: "Peak memory: estimated vs measured" }, xaxis: { title: { text: "estimated (MiB)" } }, yaxis: { title: { text: "measured (MiB)" } } });
 }
 
 // Stacked bars of step time by category, one bar per trial (best card and comparison).
@@ -69,6 +69,6 @@ export function breakdown(node, bars) {
     type: "bar", orientation: "h", name: c, y: bars.map((b) => b.label),
     x: bars.map((b) => ((b.breakdown || {})[c] || 0) * 1000),
   }));
-  return draw(node, traces, { barmode: "stack", title: "Step time breakdown", xaxis: { title: "ms per step" },
+  return draw(node, traces, { barmode: "stack", title: { text: "Step time breakdown" }, xaxis: { title: { text: "ms per step" } },
     height: 120 + 50 * bars.length, margin: { ...LAYOUT.margin, l: 90 } });
 }

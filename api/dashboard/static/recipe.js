@@ -39,7 +39,7 @@ async function main() {
       marker: { color: "#d62728", size: 12, symbol: "triangle-down" }, text: regress.map((n) => changesText(n.changes) || "no fingerprint change") },
     { x: changed.map((n) => n.night), y: changed.map((n) => n.best_tokens_per_s), mode: "markers", name: "fingerprint changed",
       marker: { color: "rgba(0,0,0,0)", size: 18, line: { color: "#f59e0b", width: 2 } }, text: changed.map((n) => changesText(n.changes)) },
-  ], { title: "Best tokens/s per nightly run", height: 360, margin: { l: 60, r: 20, t: 40, b: 50 }, yaxis: { title: "tokens/s" } },
+  ], { title: { text: "Best tokens/s per nightly run" }, height: 360, margin: { l: 60, r: 20, t: 40, b: 50 }, yaxis: { title: { text: "tokens/s" } } },
   { displaylogo: false, responsive: true });
   document.body.dataset.ready = "true";
 }
