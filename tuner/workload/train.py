@@ -107,6 +107,11 @@ class Training:
     def _make_schedule(self, pp_rank: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+        if hasattr(self.module, "reducer"):
+            # DDP under a pipeline: the stage arms the gradient all-reduce itself before the last
+            # microbatch's backward. Left on, DDP's forward would arm it on every microbatch, and
+            # its bucket rebuild then sees each parameter once per backward and fails.
+            self.module.require_backward_grad_sync = False
         stage = PipelineStage(
             self.module, pp_rank, self.dims.pp, self.device, group=self.dims.mesh["pp"].get_group()
         )
