@@ -37,6 +37,12 @@ STANDIN = textwrap.dedent(
     wd, rank = spec["workdir"], int(os.environ["RANK"])
     fault = os.environ.get("TUNER_TEST_FAULT", "")
     print("rank", rank, "of", os.environ["WORLD_SIZE"], "port", os.environ["MASTER_PORT"])
+    if fault == "port":  # the first attempt finds its rendezvous port taken
+        fault = ""
+        if rank == 0 and not os.path.exists(f"{wd}/clashed"):
+            open(f"{wd}/clashed", "w").close()
+            print("RuntimeError: The server socket has failed to listen: address already in use")
+            sys.exit(1)
     if fault and rank == int(os.environ.get("TUNER_TEST_FAULT_RANK", "0")):
         if fault == "segfault":
             os.kill(os.getpid(), signal.SIGSEGV)
@@ -117,6 +123,12 @@ def test_standin_failure_kills_waiting_peer(standin, fault, status, text):
     assert text in res.error
     # rank 0 waits forever; the group is killed after the failure grace, not at the 60 s timeout.
     assert time.monotonic() - t0 < local.FAIL_GRACE_S + local.TERM_GRACE_S + 5
+
+
+def test_port_clash_is_retried_once(standin):
+    res = run_trial(make_spec(standin, "port"), env={"TUNER_TEST_FAULT": "port"})
+    assert res.status == "ok", res.error
+    assert res.extra["port_retries"] == 1
 
 
 def test_standin_timeout_leaves_no_process(standin):

@@ -32,6 +32,7 @@ FAIL_GRACE_S = 2.0
 # SIGTERM, then this long, then SIGKILL.
 TERM_GRACE_S = 3.0
 LOG_TAIL_LINES = 40
+PORT_RETRIES = 1
 _OOM_TEXTS = ("CUDA out of memory", "NPU out of memory", "OutOfMemoryError", "out of memory")
 _PR_SET_PDEATHSIG = 1
 # What each rank runs (`python -m <module> SPEC.json`); tests swap in a stand-in rank.
@@ -54,20 +55,10 @@ def run_trial(
     """
     workdir = Path(spec.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    for stale in [workdir / "result.json", workdir / "exits.json", *workdir.glob("rank*.error.json")]:
-        stale.unlink(missing_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec.to_dict(), indent=1))
-    log_path = workdir / "trial.log"
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "tuner.executors.local",
-        str(spec_path),
-        str(_world_size(spec)),
-        module or RANK_MODULE,
-    ]
+    cmd = [sys.executable, "-m", "tuner.executors.local", str(spec_path), str(_world_size(spec))]
+    cmd.append(module or RANK_MODULE)
     if cpus:
         cmd += ["--cpus", ",".join(str(c) for c in cpus)]
     child_env = {**os.environ, **(env or {})}
@@ -76,20 +67,42 @@ def run_trial(
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
 
     start = time.monotonic()
+    for attempt in range(1 + PORT_RETRIES):
+        result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop)
+        # The rendezvous port is free when the launcher picks it but only bound seconds later,
+        # once rank 0 has imported torch; another process may take it in between.
+        clash = "address already in use" in f"{result.error} {result.log_tail}".lower()
+        if not (result.status == "error" and clash) or attempt == PORT_RETRIES:
+            break
+    if attempt:
+        result.extra["port_retries"] = attempt
+    return _finish(spec, result, start)
+
+
+def _run_once(
+    spec: TrialSpec, cmd: list[str], env: dict[str, str], deadline: float, stop: threading.Event | None
+) -> TrialResult:
+    workdir = Path(spec.workdir)
+    for stale in [workdir / "result.json", workdir / "exits.json", *workdir.glob("rank*.error.json")]:
+        stale.unlink(missing_ok=True)
+    log_path = workdir / "trial.log"
     started_at = time.time()
     try:
-        launcher = subprocess.Popen(
-            cmd,
-            cwd=workdir,
-            env=child_env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=open(workdir / "launcher.log", "wb"),  # noqa: SIM115 - the child owns it
-            start_new_session=True,
-        )
+        with open(workdir / "launcher.log", "wb") as launcher_log:
+            launcher = subprocess.Popen(
+                cmd,
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=launcher_log,
+                start_new_session=True,
+            )
     except OSError as err:
-        return _finish(spec, TrialResult(status="error", error_kind="launch", error=str(err)), start)
-    ended = _supervise(launcher, start + spec.timeout_s, stop)
+        return TrialResult(
+            status="error", error_kind="launch", error=f"cannot start the trial launcher: {err}"
+        )
+    ended = _supervise(launcher, deadline, stop)
     result = _classify(spec, workdir, launcher.returncode, ended)
     result.extra["session"] = launcher.pid  # the trial's session id (its launcher leads it)
     timeline = _timeline(workdir, started_at)
@@ -97,7 +110,7 @@ def run_trial(
         result.extra["timeline"] = timeline
     result.log_path = str(log_path)
     result.log_tail = tail(log_path, LOG_TAIL_LINES)
-    return _finish(spec, result, start)
+    return result
 
 
 def _timeline(workdir: Path, started_at: float) -> dict[str, float]:
@@ -343,13 +356,15 @@ class LocalExecutor(Executor):
             result = run_trial(spec, env=self._env, cpus=self._cpus, stop=stop)
         except Exception as err:  # noqa: BLE001 - a bug here must still come back as a result
             result = TrialResult(status="error", error_kind=type(err).__name__, error=str(err), tag=spec.tag)
-        with self._lock:
-            forgotten = self._running.pop(spec.tag, None) is None
-        if not forgotten:
-            self._finished.put(result)
+        with self._lock:  # with `running()` in one step, so `wait` never sees neither
+            if self._running.pop(spec.tag, None) is not None:
+                self._finished.put(result)
 
     def wait(self, timeout: float | None = None) -> list[TrialResult]:
         out: list[TrialResult] = []
+        with self._lock:
+            if timeout is None and not self._running and self._finished.empty():
+                return out  # nothing could ever arrive
         try:
             out.append(self._finished.get(timeout=timeout))
         except queue.Empty:
