@@ -264,7 +264,9 @@ def _classify(spec: TrialSpec, workdir: Path, launcher_rc: int | None, ended: st
         return _failed_result(err.get("status", "error"), rank, err)
     if rc < 0:
         name = signal_name(rc)
-        return TrialResult(status="error", error_kind=name, error=f"rank {rank} was killed by {name}")
+        # Nothing here sends SIGKILL before a failure or the deadline; the kernel's OOM killer does.
+        hint = " (often the kernel's out-of-memory killer; check `dmesg`)" if name == "SIGKILL" else ""
+        return TrialResult(status="error", error_kind=name, error=f"rank {rank} was killed by {name}{hint}")
     log_tail = tail(workdir / "trial.log", LOG_TAIL_LINES)
     if any(t in log_tail for t in _OOM_TEXTS):
         return TrialResult(status="oom", error_kind="oom", error=f"rank {rank}: {_last_error_line(log_tail)}")
