@@ -132,6 +132,7 @@ class WorkerSettings:
     max_attempts: int = MAX_ATTEMPTS
     poll_s: float = 1.0
     remeasure_top: int = 3  # configs measured again before naming a winner (0: trust one run)
+    build: bool = True  # build the winner's kernels (TUNER_BUILD=false: e.g. no compiler on workers)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> WorkerSettings:
@@ -146,6 +147,7 @@ class WorkerSettings:
             "max_trials": num("TUNER_MAX_TRIALS"),
             "max_timeout_min": num("TUNER_MAX_TIMEOUT_MIN"),
             "remeasure_top": num("TUNER_REMEASURE_TOP"),
+            "build": os.environ.get("TUNER_BUILD", "true").strip().lower() not in ("0", "false", "no", "off"),
         }
         values.update(overrides)
         values = {k: v for k, v in values.items() if v is not None}
@@ -306,7 +308,10 @@ class JobRun:
                 state="failed", error="no trial finished ok; GET the job's trials to see why each failed"
             )
             return out
-        out["build"] = self._build(recipe, name, best)
+        if cfg.build:
+            out["build"] = self._build(recipe, name, best)
+        else:
+            out["build"] = {"error": "builds are turned off on this service (TUNER_BUILD=false)"}
         return out
 
     def _build(self, recipe: Any, name: str, trial_number: int) -> dict[str, Any]:
