@@ -17,12 +17,14 @@ from optuna.trial import TrialState
 
 from tuner.config import Config, infeasible_reasons
 from tuner.devices import describe
+from tuner.estimate import estimate
 from tuner.executors.base import Executor
-from tuner.prune import verdict
+from tuner.prune import OOM_MARGIN, verdict
 from tuner.recipe import recipe_from_dict
 from tuner.result import TrialResult, TrialSpec
+from tuner.resume import HEARTBEAT_KEY, OWNER_KEY
 from tuner.space import config_from_params, load_space, trial_params
-from tuner.study import HEARTBEAT_KEY, OWNER_KEY, run_study
+from tuner.study import run_study
 from tuner.summary import summarize
 
 CPU = describe("cpu")
@@ -165,13 +167,23 @@ def test_conditional_knobs_are_absent_from_params_when_they_do_not_apply(tune, u
         assert ("amp_dtype" in p) == (p["amp"] != "O0")
 
 
+def budget_between(recipe, fits: Config, too_big: Config) -> float:
+    """A memory budget (GiB) the estimator says `fits` stays under and `too_big` exceeds."""
+    est_fits, est_big = (estimate(recipe, c, CPU).peak_mem_bytes for c in (fits, too_big))
+    budget = est_big / (1 + OOM_MARGIN) * 0.97
+    assert est_fits < budget * (1 + OOM_MARGIN) * 0.97, "the configs are too close in memory for this test"
+    return budget / 2**30
+
+
 def test_predicted_oom_configs_are_pruned_before_the_executor(tune, url):
-    # 0.2 GiB: the estimator rules out micro_batch_size 8 of this model with no recompute.
-    hardware = {"device": "cpu", "devices": 2, "memory_budget_gb": 0.2}
-    recipe = make_recipe("oom", hardware=hardware, overrides={**NARROW, "micro_batch_size": [4, 8]})
+    recipe = make_recipe("oom", overrides={**NARROW, "micro_batch_size": [4, 8]})
+    small, big = (Config(micro_batch_size=m, dp=2, amp="O1", attention="flash") for m in (4, 8))
+    hardware = {"device": "cpu", "devices": 2, "memory_budget_gb": budget_between(recipe, small, big)}
+    recipe = recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update=hardware)})
     ex = FakeExecutor()
     summary = tune(recipe, ex, trials=6)
     assert ex.submitted and all(verdict(Config(**s.config), recipe, CPU).reason is None for s in ex.submitted)
+    assert all(Config(**s.config).micro_batch_size == 4 for s in ex.submitted)
     reasons = [t.user_attrs.get("pruned_reason", "") for t in trials_of(summary, url)]
     assert any(r.startswith("predicted out of memory") for r in reasons)
 

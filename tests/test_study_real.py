@@ -23,10 +23,12 @@ from optuna.trial import TrialState
 
 from tuner.config import Config
 from tuner.devices import describe
+from tuner.estimate import estimate
 from tuner.executors.local import LocalExecutor
-from tuner.prune import verdict
+from tuner.prune import OOM_MARGIN, verdict
 from tuner.recipe import recipe_from_dict
-from tuner.study import OWNER_KEY, run_study
+from tuner.resume import OWNER_KEY
+from tuner.study import run_study
 from tuner.summary import summarize
 
 pytestmark = pytest.mark.slow
@@ -57,6 +59,15 @@ def recipe_doc(name: str, micro_batch_sizes: list[int], budget_gb: float | None,
     }
 
 
+def budget_between(recipe, fits: Config, too_big: Config) -> float:
+    """A memory budget (GiB) the estimator says `fits` stays well under (the executor fails a
+    trial whose measured peak exceeds it) and `too_big` exceeds by more than the margin."""
+    est_fits, est_big = (estimate(recipe, c, CPU).peak_mem_bytes for c in (fits, too_big))
+    budget = est_big / (1 + OOM_MARGIN) * 0.97
+    assert est_fits < budget * 0.9, "the two configs are too close in memory for this test"
+    return budget / 2**30
+
+
 class CountingExecutor(LocalExecutor):
     """The real LocalExecutor, remembering every spec that reached it."""
 
@@ -72,9 +83,12 @@ class CountingExecutor(LocalExecutor):
 @pytest.mark.postgres
 def test_real_study_on_postgres_prunes_predicted_oom_and_another_process_reads_it(tmp_path):
     url = PG_URL
-    # 0.25 GiB: the estimator predicts micro_batch_size 16 runs out of memory, 8 fits.
-    # Seed 0 samples 16 (pruned) and 8 again (a duplicate), so one device run does it all.
-    recipe = recipe_from_dict(recipe_doc("real", [8, 16], 0.25, seed=0))
+    # A budget the estimator says micro_batch_size 8 stays under and 16 exceeds. Seed 0 samples
+    # 16 (pruned) and 8 again (a duplicate), so one device run does it all.
+    doc = recipe_doc("real", [8, 16], None, seed=0)
+    small, big = (Config(micro_batch_size=m, dp=2, amp="O1", attention="flash") for m in (8, 16))
+    doc["hardware"]["memory_budget_gb"] = budget_between(recipe_from_dict(doc), small, big)
+    recipe = recipe_from_dict(doc)
     ex = CountingExecutor()
     try:
         with ex:

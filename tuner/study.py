@@ -6,12 +6,10 @@ The driver is the only writer to the storage; trial processes only write their r
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
 import random
-import socket
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,15 +27,12 @@ from tuner.fingerprint import fingerprint, fingerprint_hash
 from tuner.prune import verdict
 from tuner.recipe import Recipe
 from tuner.result import RESULT_KEYS, TrialResult, TrialSpec
+from tuner.resume import HEARTBEAT_KEY, OWNER_KEY, new_owner, recover_dead_trials, warm_start_configs
 from tuner.space import SearchSpace, config_from_params, load_space, trial_params
 from tuner.storage import default_storage_url, get_storage
 from tuner.summary import REMEASURED_PREFIX, StudySummary, build_summary
 
-# Optuna's own heartbeat needs `study.optimize`; with ask/tell the driver records liveness itself.
-HEARTBEAT_KEY = "tuner:heartbeat"
-OWNER_KEY = "tuner:owner"
-HEARTBEAT_INTERVAL_S = 5.0
-STALE_AFTER_S = 60.0
+HEARTBEAT_INTERVAL_S = 5.0  # also how long one executor.wait blocks
 
 # Every trial of a study uses the same model init and data, so losses compare across configs.
 TRIAL_SEED = 0
@@ -93,25 +88,6 @@ def make_sampler(name: str, seed: int, multi_objective: bool) -> optuna.samplers
     raise ValueError(f"--sampler: unknown sampler {name!r}; use tpe, gp, cmaes, random or grid")
 
 
-def _owner_alive(owner: dict[str, Any] | None, heartbeat: float | None, started: float) -> bool:
-    """Whether the driver that owns a RUNNING trial may still be working on it."""
-    if owner and owner.get("host") == socket.gethostname():
-        pid = owner.get("pid", -1)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        try:  # a killed child that its parent has not reaped yet is a zombie: dead
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return False
-        except (OSError, IndexError):
-            pass
-    last = heartbeat if heartbeat is not None else started
-    return time.time() - last < STALE_AFTER_S
-
-
 @dataclass
 class _Pending:
     trial: optuna.trial.Trial
@@ -135,7 +111,7 @@ class _Driver:
         )
         self.storage = get_storage(storage_url)
         self.multi = recipe.search.objective == "throughput_memory"
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
+        self.owner = new_owner()
         self.pending: dict[str, _Pending] = {}
         self.workdir = Path(opts["workdir"] or "runs") / self.name
         self.progress: Progress = opts["progress"] or (lambda _event: None)
@@ -157,7 +133,7 @@ class _Driver:
             self._first_open()
         for config in self.o["enqueue"]:
             self._enqueue(config, "enqueued")
-        self._recover(self.study.get_trials(deepcopy=False))
+        recover_dead_trials(self.study, self.study.get_trials(deepcopy=False), self.owner)
 
     def _first_open(self) -> None:
         for key, value in {
@@ -174,7 +150,8 @@ class _Driver:
         if base.amp != "O0" and "O0" in (self.space.domains["amp"] or ()):
             # The fp32 run every low-precision config's losses are checked against.
             self._enqueue(Config(**{**base.to_dict(), "amp": "O0"}), "fp32_reference")
-        for config in self._warm_start_configs():
+        fp_hash = fingerprint_hash(self.fp)
+        for config in warm_start_configs(self.storage, self.url, self.recipe, fp_hash, exclude=self.name):
             self._enqueue(config, "warm_start")
 
     def _enqueue(self, config: Config, role: str) -> bool:
@@ -184,50 +161,6 @@ class _Driver:
             return False
         self.study.enqueue_trial(trial_params(config), user_attrs={"role": role}, skip_if_exists=True)
         return True
-
-    def _warm_start_configs(self, top: int = 3) -> list[Config]:
-        """Best configs of the most similar earlier study (by model shape) on this fingerprint."""
-        mine = self.recipe.model
-        best_study, best_distance = None, math.inf
-        for s in optuna.get_all_study_summaries(self.storage, include_best_trial=False):
-            attrs = s.user_attrs
-            other = attrs.get("recipe") or {}
-            if s.study_name == self.name or attrs.get("fingerprint_hash") != fingerprint_hash(self.fp):
-                continue
-            if other.get("hardware", {}).get("devices") != self.recipe.hardware.devices:
-                continue
-            shape = other.get("model", {})
-            try:
-                distance = sum(
-                    abs(math.log(shape[k] / getattr(mine, k)))
-                    for k in ("layers", "hidden", "heads", "seq_len", "vocab")
-                )
-            except (KeyError, TypeError, ZeroDivisionError, ValueError):
-                continue
-            if distance < best_distance:
-                best_study, best_distance = s.study_name, distance
-        if best_study is None:
-            return []
-        old = optuna.load_study(study_name=best_study, storage=self.storage)
-        done = [t for t in old.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
-        done.sort(key=lambda t: -t.values[0])
-        return [config_from_params(t.params) for t in done[:top]]
-
-    def _recover(self, trials: list[FrozenTrial]) -> None:
-        """Fail RUNNING trials whose driver is gone and queue their configs again."""
-        for t in trials:
-            if t.state != TrialState.RUNNING:
-                continue
-            owner = t.system_attrs.get(OWNER_KEY)
-            if owner and owner.get("id") == self.owner["id"]:
-                continue
-            started = t.datetime_start.timestamp() if t.datetime_start else time.time()
-            if _owner_alive(owner, t.system_attrs.get(HEARTBEAT_KEY), started):
-                continue
-            self.storage.set_trial_user_attr(t._trial_id, "driver_died", True)
-            if self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
-                role = t.user_attrs.get("role") or "retry"
-                self.study.enqueue_trial(t.params, user_attrs={"role": role, "retry_of": t.number})
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -298,7 +231,7 @@ class _Driver:
             elif self.o["sampler"] == "grid" and not self._next_grid_config(trials):
                 can_ask, reason = False, "grid exhausted"
             if can_ask:
-                self._recover(trials)
+                recover_dead_trials(self.study, trials, self.owner)
                 if self.executor.free_slots(probe) > 0:
                     self._start_one()
                     continue
@@ -328,7 +261,9 @@ class _Driver:
     def _beat(self) -> None:
         now = time.time()
         for p in self.pending.values():
-            self.storage.set_trial_system_attr(p.trial._trial_id, HEARTBEAT_KEY, now)
+            # A trial another driver already failed (it judged us dead) is finished: skip it.
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                self.storage.set_trial_system_attr(p.trial._trial_id, HEARTBEAT_KEY, now)
 
     def _event(self, event: str, **fields: Any) -> None:
         self.progress({"event": event, "done": self.done, "total": self.o["trials"], **fields})

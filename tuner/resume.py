@@ -1,0 +1,108 @@
+"""Picking up what earlier drivers left: failing the trials of a dead driver so their configs run
+again, and warm-starting a new study from the most similar earlier one."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from tuner.config import Config
+from tuner.recipe import Recipe
+from tuner.summary import build_summary
+
+# Optuna's own heartbeat needs `study.optimize`; with ask/tell the driver records liveness itself.
+HEARTBEAT_KEY = "tuner:heartbeat"
+OWNER_KEY = "tuner:owner"
+STALE_AFTER_S = 60.0
+
+
+def new_owner() -> dict[str, Any]:
+    """Who drives a study: host and pid to check liveness, a random id to tell runs apart."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
+
+
+def _pid_dead(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # a killed child that its parent has not reaped yet is a zombie: dead
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def owner_alive(owner: dict[str, Any] | None, heartbeat: float | None, started: float) -> bool:
+    """Whether the driver that owns a RUNNING trial may still be working on it.
+
+    On this host a dead pid settles it at once (a restart right after kill -9 need not wait);
+    elsewhere, a heartbeat older than STALE_AFTER_S does.
+    """
+    if owner and owner.get("host") == socket.gethostname() and _pid_dead(owner.get("pid", -1)):
+        return False
+    last = heartbeat if heartbeat is not None else started
+    return time.time() - last < STALE_AFTER_S
+
+
+def recover_dead_trials(study: optuna.Study, trials: list[FrozenTrial], me: dict[str, Any]) -> int:
+    """Fail RUNNING trials whose driver is gone and queue their configs again; returns how many."""
+    storage = study._storage  # trials of another driver are only reachable through the storage
+    failed = 0
+    for t in trials:
+        if t.state != TrialState.RUNNING:
+            continue
+        owner = t.system_attrs.get(OWNER_KEY)
+        if owner and owner.get("id") == me["id"]:
+            continue
+        started = t.datetime_start.timestamp() if t.datetime_start else time.time()
+        if owner_alive(owner, t.system_attrs.get(HEARTBEAT_KEY), started):
+            continue
+        # The owner may finish the trial at this very moment; then it is not ours to fail.
+        with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+            storage.set_trial_user_attr(t._trial_id, "driver_died", True)
+            if storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+                role = t.user_attrs.get("role") or "retry"
+                study.enqueue_trial(t.params, user_attrs={"role": role, "retry_of": t.number})
+                failed += 1
+    return failed
+
+
+def _shape_distance(shape: dict[str, Any], recipe: Recipe) -> float:
+    mine = recipe.model
+    keys = ("layers", "hidden", "heads", "seq_len", "vocab")
+    return sum(abs(math.log(shape[k] / getattr(mine, k))) for k in keys)
+
+
+def warm_start_configs(
+    storage: Any, url: str, recipe: Recipe, fingerprint_hash: str, exclude: str, top: int = 3
+) -> list[Config]:
+    """The trustworthy top configs of the earlier study on this fingerprint, with the same
+    device count, whose model shape is nearest (log-ratio distance over the model sizes)."""
+    best_name, best_distance = None, math.inf
+    for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        other = s.user_attrs.get("recipe") or {}
+        if s.study_name == exclude or s.user_attrs.get("fingerprint_hash") != fingerprint_hash:
+            continue
+        if other.get("hardware", {}).get("devices") != recipe.hardware.devices:
+            continue
+        try:
+            distance = _shape_distance(other.get("model", {}), recipe)
+        except (KeyError, TypeError, ZeroDivisionError, ValueError):
+            continue  # a study written by another version: not comparable
+        if distance < best_distance:
+            best_name, best_distance = s.study_name, distance
+    if best_name is None:
+        return []
+    old = optuna.load_study(study_name=best_name, storage=storage)
+    return [Config.from_params(e["config"]) for e in build_summary(old, url, top_k=top).top_k]
