@@ -202,7 +202,7 @@ def plot_data(study: StudyRows) -> dict[str, Any]:
         sample = downsample(study.rows)
         ranked = importances(study)
         out = {
-            "total": len(study.rows),
+            "total": sum(r.state not in ("running", "waiting") for r in study.rows),
             "sampled": len(sample),
             "history": history(sample),
             "importance": {"params": list(ranked), "values": list(ranked.values())},

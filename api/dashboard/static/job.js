@@ -5,7 +5,9 @@ import * as plots from "./plots.js";
 
 const jobId = Number(location.pathname.split("/").filter(Boolean).pop());
 // Read by the browser tests and the load benchmark: set once the table and plots first rendered.
-const dash = (window.__dashboard = { ready: false, tableReady: false, plotsReady: false, events: 0, refreshes: 0 });
+const dash = (window.__dashboard = { ready: false, tableReady: false, plotsReady: false, events: 0, refreshes: 0, timings: {} });
+// Milliseconds since navigation start at which each step first finished (for the load benchmark).
+const mark = (name) => { if (!(name in dash.timings)) dash.timings[name] = Math.round(performance.now()); };
 const view = { page: 1, size: 50, sort: "number", statuses: new Set(), knobs: new Map(), selected: new Set() };
 const $ = (id) => document.getElementById(id);
 let overview = null;
@@ -137,6 +139,7 @@ async function loadTable() {
   $("page-prev").disabled = data.page <= 1;
   $("page-next").disabled = data.page >= data.pages;
   renderFilters(data);
+  mark("table");
   dash.tableReady = true;
   markReady();
 }
@@ -197,6 +200,17 @@ function pick(number, on) {
   if (chosen.length === 2) link.href = `/ui/compare?a=${jobId}:${chosen[0]}&b=${jobId}:${chosen[1]}`;
 }
 
+let lastParallel = null;
+
+// Parallel coordinates is Plotly's one WebGL trace: seconds in a browser without a GPU (software
+// GL), and it blocks the page's only thread. It is drawn once the rest of the page is up.
+async function drawParallel() {
+  if (lastParallel && lastParallel.number.length > 1) {
+    await plots.parallel($("plot-parallel"), lastParallel);
+    mark("parallel_drawn");
+  }
+}
+
 async function loadPlots() {
   let data;
   try {
@@ -205,13 +219,14 @@ async function loadPlots() {
     showError($("plots-note"), err);
     return;
   }
+  mark("plots_data");
   await plotlyLoaded;
+  mark("plotly_loaded");
   const jobs = [];
   if (data.history && data.history.number.length + data.history.failed.number.length) jobs.push(plots.history($("plot-history"), data.history));
   $("plot-importance").querySelector("p.muted")?.remove();
   if (data.importance && data.importance.params.length) jobs.push(plots.importance($("plot-importance"), data.importance));
   else $("plot-importance").replaceChildren(el("p", { class: "muted" }, "Knob importance appears after 4 completed trials."));
-  if (data.parallel && data.parallel.number.length > 1) jobs.push(plots.parallel($("plot-parallel"), data.parallel));
   if (data.pareto && data.pareto.all.number.length) jobs.push(plots.pareto($("plot-pareto"), data.pareto));
   if (data.memory && data.memory.number.length) jobs.push(plots.memory($("plot-memory"), data.memory));
   await Promise.all(jobs);
@@ -220,8 +235,10 @@ async function loadPlots() {
   if (overview && overview.best && overview.best.attrs.breakdown) {
     plots.breakdown($("breakdown-plot"), [{ label: `#${overview.best.number}`, breakdown: overview.best.attrs.breakdown }]);
   }
+  mark("plots_drawn");
   dash.plotsReady = true;
   markReady();
+  lastParallel = data.parallel;
 }
 
 const plotlyLoaded = new Promise((resolve) => {
@@ -236,6 +253,7 @@ function refreshSoon() {
   pending = setTimeout(async () => {
     pending = null;
     await Promise.all([loadOverview(), loadTable(), loadPlots()]);
+    await drawParallel();
     dash.refreshes += 1;
   }, 300);
 }
@@ -284,3 +302,4 @@ async function follow() {
 
 await Promise.all([loadOverview(), loadTable(), loadPlots()]);
 follow();
+await drawParallel();
