@@ -48,8 +48,18 @@ SWEEP: list[tuple[str, dict]] = [
     ("micro_batch_size", {"micro_batch_size": 32}),
 ]
 
-COLUMNS = ["group", "knobs", "status", "step_time_s", "tokens_per_s", "tflops", "mfu",
-           "peak_mem_allocated_bytes", "estimated_peak_mem_bytes", "error"]
+COLUMNS = [
+    "group",
+    "knobs",
+    "status",
+    "step_time_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "peak_mem_allocated_bytes",
+    "estimated_peak_mem_bytes",
+    "error",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             label = ", ".join(f"{k}={v}" for k, v in over.items())
             reasons = infeasible_reasons(config, recipe, info)
             if reasons:
-                rows.append({"group": group, "knobs": label, "status": "infeasible", "error": "; ".join(reasons)})
+                rows.append(
+                    {"group": group, "knobs": label, "status": "infeasible", "error": "; ".join(reasons)}
+                )
                 print(f"{label}: infeasible: {'; '.join(reasons)}", flush=True)
                 continue
             spec = TrialSpec(
@@ -113,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| group | knobs | status | step ms | tokens/s | TFLOP/s | MFU | peak GiB (est.) |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
+
         def fmt(v, scale=1.0, nd=1):
             return "" if v is None else f"{v * scale:.{nd}f}"
 

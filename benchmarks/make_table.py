@@ -1,0 +1,162 @@
+"""Measure every config of a search space once per repeat and write the tabular benchmark.
+
+Each config runs as a real trial through `tuner.executors.local.run_trial` (the same runner as
+`tuner measure`), WITHOUT the estimator's pruning: the table is ground truth, so configs that
+exceed the memory budget are run and recorded as oom with the device time they cost.
+
+    python benchmarks/make_table.py benchmarks/recipes/gpt-tiny-table.yaml \
+        --out benchmarks/tables/cpu-gpt-tiny.csv --repeats 2
+
+The CSV starts with `#` lines naming the recipe, machine and software fingerprint. Re-running
+with the same --out resumes: configs already measured `--repeats` times are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tuner.config import KNOBS, Config
+from tuner.devices import describe, resolve_family
+from tuner.estimate import budget_bytes, estimate
+from tuner.executors.local import run_trial
+from tuner.fingerprint import fingerprint
+from tuner.recipe import load_recipe
+from tuner.result import TrialSpec
+from tuner.space import load_space
+
+KNOB_COLUMNS = list(KNOBS)
+METRIC_COLUMNS = [
+    "status",
+    "runs",
+    "tokens_per_s",
+    "tokens_per_s_runs",
+    "tokens_per_s_spread",
+    "step_time_s",
+    "step_time_spread",
+    "wall_s",
+    "peak_mem_allocated_bytes",
+    "estimated_peak_mem_bytes",
+    "mfu",
+    "loss",
+    "error",
+]
+COLUMNS = ["key", *KNOB_COLUMNS, *METRIC_COLUMNS]
+
+
+def read_table(path: str | Path) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """(header fields from the `#` lines, rows) of a table CSV."""
+    header: dict[str, str] = {}
+    lines = []
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("#"):
+            k, _, v = line[1:].strip().partition(":")
+            header[k.strip()] = v.strip()
+        elif line.strip():
+            lines.append(line)
+    return header, list(csv.DictReader(lines))
+
+
+def _aggregate(config: Config, results: list, est: int) -> dict:
+    ok = [r for r in results if r.status == "ok" and r.tokens_per_s]
+    status = "ok" if len(ok) == len(results) else next(r.status for r in results if r.status != "ok")
+    tps = [r.tokens_per_s for r in ok]
+    row = {"key": config.key(), **config.to_dict()}
+    row.update(
+        status=status,
+        runs=len(results),
+        tokens_per_s=statistics.mean(tps) if tps and status == "ok" else "",
+        tokens_per_s_runs=";".join(f"{v:.1f}" for v in tps),
+        tokens_per_s_spread=(max(tps) - min(tps)) / statistics.median(tps) if len(tps) > 1 else "",
+        step_time_s=statistics.median([r.step_time_s for r in ok]) if ok else "",
+        step_time_spread=statistics.median([r.step_time_spread for r in ok]) if ok else "",
+        wall_s=statistics.mean([r.wall_s or 0.0 for r in results]),
+        peak_mem_allocated_bytes=max((r.peak_mem_allocated_bytes or 0) for r in results) or "",
+        estimated_peak_mem_bytes=est,
+        mfu=statistics.mean([r.mfu for r in ok if r.mfu is not None]) if ok else "",
+        loss=ok[0].loss if ok else "",
+        error=next((r.error or "" for r in results if r.status != "ok"), "")[:300],
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe", help="recipe with the table's space in search.overrides")
+    ap.add_argument("--out", required=True, help="CSV to write (resumed if it exists)")
+    ap.add_argument("--repeats", type=int, default=2, help="measurements per config (default 2)")
+    ap.add_argument("--limit", type=int, default=None, help="measure only the first N configs")
+    args = ap.parse_args(argv)
+
+    recipe = load_recipe(args.recipe)
+    family = resolve_family(recipe.hardware.device)
+    device = describe(family)
+    space = load_space(recipe.search.space or family).narrow(recipe.search.overrides)
+    configs = list(space.configs(recipe, device))[: args.limit]
+    budget = budget_bytes(recipe, device)
+    out = Path(args.out)
+    done: dict[str, dict] = {}
+    if out.exists():
+        _, rows = read_table(out)
+        done = {r["key"]: r for r in rows if int(r["runs"] or 0) >= args.repeats}
+    fp = fingerprint(family)
+    print(f"{len(configs)} configs, {len(done)} already measured, {args.repeats} repeats each", flush=True)
+
+    rows = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="tuner-table-") as tmp:
+        for i, config in enumerate(configs):
+            key = config.key()
+            if key in done:
+                rows.append(done[key])
+                continue
+            est = int(estimate(recipe, config, device).peak_mem_bytes)
+            results = []
+            for rep in range(args.repeats):
+                spec = TrialSpec(
+                    recipe=recipe.to_dict(),
+                    config=config.to_dict(),
+                    family=family,
+                    workdir=str(Path(tmp) / f"c{i}-r{rep}"),
+                    timeout_s=recipe.measure.timeout_s,
+                    estimated_peak_mem_bytes=est,
+                    memory_budget_bytes=budget,
+                    tag=f"{i}-{rep}",
+                )
+                results.append(run_trial(spec))
+            row = _aggregate(config, results, est)
+            rows.append(row)
+            elapsed = time.perf_counter() - t0
+            print(
+                f"[{i + 1}/{len(configs)}] {elapsed:6.0f}s {row['status']:>7} "
+                f"{row['tokens_per_s'] or 0:>9.0f} tok/s  {json.dumps(config.active_params())}",
+                flush=True,
+            )
+            _write(out, recipe, fp, budget, args.repeats, rows)
+    _write(out, recipe, fp, budget, args.repeats, rows)
+    print(f"wrote {out} ({len(rows)} configs) in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+def _write(out: Path, recipe, fp: dict, budget: int, repeats: int, rows: list[dict]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        f.write(f"# recipe: {json.dumps(recipe.to_dict(), sort_keys=True)}\n")
+        f.write(f"# fingerprint: {json.dumps(fp, sort_keys=True)}\n")
+        f.write(f"# memory_budget_bytes: {budget}\n")
+        f.write(f"# repeats: {repeats}\n")
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    tmp.replace(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
