@@ -93,8 +93,10 @@ def read_overview(job_id: int, session: SessionDep, _: ReadAuth):
     """The job, its best trial with speedup and step-time breakdown, the build, recent failures."""
     job = _job(session, job_id)
     study = _study(session, job)
-    best = table.best(study) if study else None
     build = session.scalar(select(Build).where(Build.job_id == job_id).order_by(Build.id.desc()).limit(1))
+    # Once built, the winner is the trial the worker built (it re-measures the top configs and
+    # checks their loss); until then, the fastest measured trial.
+    best = table.best(study, prefer=build.trial_number if build else None) if study else None
     # Speedup over the default config: the worker's figure when it recorded one (it re-measures
     # the winner), else the best measured trial over the baseline trial.
     speedup = job.speedup

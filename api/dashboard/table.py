@@ -121,8 +121,12 @@ def failures(study: StudyRows, limit: int = 50) -> dict[str, Any]:
     return {"total": len(failed), "items": [r.detail() for r in reversed(failed[-limit:])]}
 
 
-def best(study: StudyRows) -> TrialRow | None:
+def best(study: StudyRows, prefer: int | None = None) -> TrialRow | None:
+    """Trial `prefer` when it completed, else the completed trial with the highest tokens/s."""
     done = [r for r in study.rows if r.state == "complete" and r.tokens_per_s is not None]
+    chosen = [r for r in done if r.number == prefer]
+    if chosen:
+        return chosen[0]
     return max(done, key=lambda r: r.tokens_per_s) if done else None
 
 
