@@ -231,6 +231,9 @@ def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> li
     if config.dp > 1 and config.dp_shard == "ddp":
         if config.grad_compression in ("fp16", "bf16") and config.grad_compression not in device.amp_dtypes:
             r.append(f"grad_compression={config.grad_compression} is not supported on {device.family}")
+        if config.grad_compression == "bf16" and device.backend != "nccl":
+            # torch's bf16_compress_hook refuses any backend but NCCL (CUDA 11+, NCCL 2.10+).
+            r.append(f"grad_compression=bf16 needs NCCL, not {device.backend}; use fp16 or none")
         if config.grad_compression == "powersgd" and device.backend == "hccl":
             r.append("grad_compression=powersgd is not supported with hccl")
     if config.dp > 1 and config.dp_shard == "fsdp" and config.pp > 1:
