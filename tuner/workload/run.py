@@ -120,7 +120,7 @@ def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[list[float
 def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None:
     """Run this rank's part of the trial; rank 0 returns the result, the others None."""
     config = spec.config
-    cores = set_rank_threads(env, config.get("cpu_affinity", "none"))
+    set_rank_threads(env, config.get("cpu_affinity", "none"))
     train = Training.from_spec(spec, env)
     if env.rank == 0:
         print(f"trial {spec.tag or '-'}: {env.world_size} ranks, {torch.get_num_threads()} threads/rank, "
@@ -133,7 +133,7 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
         report = profile_steps(
             train, min(PROFILE_STEPS, train.recipe.measure.steps), out, env.rank, spec.family
         )
-    ranks = [train.rank_report() | {"cores": len(cores)}]
+    ranks = [train.rank_report()]
     if env.world_size > 1:
         gathered: list[Any] = [None] * env.world_size if env.rank == 0 else None
         dist.gather_object(ranks[0], gathered, dst=0)

@@ -4,6 +4,7 @@ then `.step()`): the trial runner measures it, the build step compiles and times
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,4 +236,5 @@ class Training:
             "fsdp": hasattr(self.module, "set_requires_gradient_sync"),
             "n_microbatches": self.n_microbatches,
             "threads": torch.get_num_threads(),
+            "cpus": sorted(os.sched_getaffinity(0)),
         }
