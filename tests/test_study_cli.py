@@ -1,0 +1,76 @@
+"""`tuner tune` and `tuner show` from the outside: bad input exits 2 naming the field, and `show`
+reports what a study found (a study made with the in-test executor of tests/test_study.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from test_study import NARROW, FakeExecutor, make_recipe
+from typer.testing import CliRunner
+
+from tuner.cli.main import app
+from tuner.study import run_study
+
+runner = CliRunner()
+
+
+def write_recipe(tmp_path, **changes) -> str:
+    doc = {
+        "name": "cli",
+        "model": {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 2048},
+        "hardware": {"device": "cpu", "devices": 2},
+    }
+    doc.update(changes)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "changes", "expected"),
+    [
+        (["--sampler", "annealing"], {}, "--sampler: unknown sampler 'annealing'"),
+        (["--trials", "0"], {}, "--trials: must be at least 1"),
+        (["--timeout", "-1"], {}, "--timeout: must be a positive number"),
+        (["--executor", "slurm"], {}, "--executor: unknown executor 'slurm'"),
+        (["--storage", "nosuchdb://x"], {}, "--storage: 'nosuchdb://x' is not a database URL"),
+        ([], {"search": {"overrides": {"recompute": ["sometimes"]}}}, "search.overrides.recompute"),
+        ([], {"search": {"space": "tpu"}}, "search space 'tpu' not found"),
+        ([], {"hardware": {"device": "cpu", "devices": 4096}}, "hardware.devices: the recipe asks for 4096"),
+        (["--sampler", "cmaes"], {"search": {"objective": "throughput_memory"}}, "search.sampler: cmaes"),
+    ],
+)
+def test_tune_rejects_bad_input_with_exit_2_and_the_field(tmp_path, args, changes, expected):
+    result = runner.invoke(app, ["tune", write_recipe(tmp_path, **changes), *args])
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_show_without_a_study_says_to_run_tune_first(tmp_path):
+    result = runner.invoke(app, ["show", write_recipe(tmp_path), "--storage", f"sqlite:///{tmp_path}/x.db"])
+    assert result.exit_code == 2
+    assert "run `tuner tune" in " ".join(result.output.split())
+
+
+def test_show_reports_best_speedup_top_k_and_cost(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path}/t.db"
+    recipe = make_recipe("cli-show", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+    run_study(recipe, storage_url=url, executor=FakeExecutor(), trials=4, sampler="grid", workdir=tmp_path)
+    path = tmp_path / "show.yaml"
+    path.write_text(yaml.safe_dump(recipe.to_dict()))
+
+    result = runner.invoke(app, ["show", str(path), "--storage", url, "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert summary["best"]["config"]["micro_batch_size"] == 8  # the fake is fastest at the biggest batch
+    assert summary["speedup"] == pytest.approx(1.0)  # ... which is also the baseline
+    assert summary["counts"] == {"ok": 4} and len(summary["top_k"]) == 4
+
+    table = runner.invoke(app, ["show", str(path), "--storage", url, "--top", "2"])
+    assert table.exit_code == 0
+    text = " ".join(table.output.split())
+    assert "best config" in text and "speedup over the baseline" in text and "device-seconds" in text
+    assert "top 2 configs" in text
