@@ -114,8 +114,9 @@ def _run_once(
 
 
 def _timeline(workdir: Path, started_at: float) -> dict[str, float]:
-    """Seconds from launch to: rank 0's first output line (it prints once its training is built:
-    imports, process group and model) and the last rank's exit. Where per-trial overhead goes."""
+    """Seconds from launch to rank 0's first output line (it prints once its training is built:
+    imports, process group and model) and to the last rank's exit, and the CPU seconds all ranks
+    had used at those points. Where per-trial overhead goes."""
     exits = _read_json(workdir / "exits.json") or {}
     out = {}
     first = exits.get("first_output", {}).get("0")
@@ -123,6 +124,9 @@ def _timeline(workdir: Path, started_at: float) -> dict[str, float]:
         out["rank0_ready_s"] = round(first - started_at, 3)
     if exits.get("exits"):
         out["last_exit_s"] = round(max(e["t"] for e in exits["exits"]) - started_at, 3)
+    for key in ("cpu_at_rank0_ready_s", "cpu_total_s"):
+        if exits.get(key) is not None:
+            out[key] = round(exits[key], 3)
     return out
 
 
@@ -406,6 +410,23 @@ def _die_with_parent(sig: int) -> None:
         pass
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process, from /proc (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -451,6 +472,7 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> 
     partial = dict.fromkeys(procs, b"")
     first_failure: float | None = None
     first_output: dict[int, float] = {}
+    cpu_at_ready = None
     terminated_at: float | None = None
     all_exited_at: float | None = None
     with open(workdir / "trial.log", "ab") as log:
@@ -465,8 +487,10 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> 
                     sel.unregister(key.fileobj)
                     chunk = b"\n" if partial[rank] else b""
                 *lines, partial[rank] = (partial[rank] + chunk).split(b"\n")
-                if lines:
-                    first_output.setdefault(rank, time.time())
+                if lines and rank not in first_output:
+                    first_output[rank] = time.time()
+                    if rank == 0:
+                        cpu_at_ready = sum(_cpu_seconds(q.pid) for q in procs.values())
                 for line in lines:
                     log.write(b"[rank%d] %s\n" % (rank, line))
                 log.flush()
@@ -494,6 +518,9 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> 
         "port": port,
         "exits": exits,
         "first_output": first_output,
+        # CPU seconds of all ranks, which unlike wall time do not depend on how busy the machine is.
+        "cpu_at_rank0_ready_s": cpu_at_ready,
+        "cpu_total_s": _children_cpu_seconds(),
     }
     (workdir / "exits.json").write_text(json.dumps(record))
     return 0
