@@ -12,12 +12,14 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import optuna
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
 
 from api import Settings, create_app
 from api.auth import create_token
@@ -28,6 +30,33 @@ from tuner.db import Build, Job, NightlyResult, session_scope
 from tuner.migrations import upgrade
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "api" / "dashboard"
+PG_URL = os.environ.get("TUNER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def storage_url(request, tmp_path):
+    """Every storage the service supports; PostgreSQL gets a fresh database of its own."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tuner.db'}"
+        return
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    name = f"tuner_dash_{uuid.uuid4().hex[:10]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as err:  # noqa: BLE001 - any connection problem means: no server here
+        admin.dispose()
+        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {err}")
+    yield PG_URL.rsplit("/", 1)[0] + f"/{name}"
+    from tuner.db import dispose_engines
+    from tuner.storage import _storages
+
+    dispose_engines()
+    for storage in _storages.values():
+        storage.engine.dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +109,27 @@ def test_reader_agrees_with_optuna(db):
         if t.values:
             assert r.values == t.values
     assert {r.state for r in rows} >= {"complete", "fail", "running"}
+
+
+def test_reader_and_table_on_every_storage(storage_url):
+    upgrade(storage_url)
+    job_id = seed_job(storage_url, 120, running=1, state="running", seed=5)
+    with session_scope(storage_url) as s:
+        name = s.get(Job, job_id).study_name
+        rows = load_study_rows(s, name).rows
+        token = create_token(s, "pg")
+    trials = optuna.load_study(study_name=name, storage=storage_url).get_trials(deepcopy=False)
+    assert [(r.number, r.params, r.attrs) for r in rows] == [
+        (t.number, t.params, t.user_attrs) for t in trials
+    ]
+    with TestClient(create_app(Settings(database_url=storage_url))) as c:
+        page = c.get(
+            f"/ui/api/jobs/{job_id}/trials",
+            params={"sort": "-tokens_per_s", "size": 10},
+            headers={"Authorization": f"Bearer {token}"},
+        ).json()
+    best = max(t.user_attrs["tokens_per_s"] for t in trials if "tokens_per_s" in t.user_attrs)
+    assert page["total"] == 121 and page["items"][0]["tokens_per_s"] == best
 
 
 def test_table_sorts_filters_and_pages_on_the_server(client, db):

@@ -9,7 +9,7 @@ import math
 import random
 from typing import Any
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, func, insert, select
+from sqlalchemy import func, insert, select
 
 from api.dashboard.store import CATEGORIES
 from tuner.db import Job, JobEvent, session_scope, utcnow
@@ -19,16 +19,6 @@ TINY = {
     "model": {"family": "gpt", "layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 2048},
     "hardware": {"device": "cpu", "devices": 2},
 }
-
-# Optuna's trial_values, with the value_type column (finite or +-inf) the shared declaration omits.
-_TRIAL_VALUES = Table(
-    "trial_values",
-    MetaData(),
-    Column("trial_id", Integer),
-    Column("objective", Integer),
-    Column("value", Float),
-    Column("value_type", String),
-)
 
 
 class _RecordingTrial:
@@ -98,9 +88,15 @@ def seed_study(url: str, study_name: str, n_trials: int, *, seed: int = 0, runni
     import optuna
     from optuna.distributions import CategoricalDistribution, distribution_to_json
 
-    from api.trials import params as params_t
-    from api.trials import trials as trials_t
-    from api.trials import user_attrs as attrs_t
+    # Optuna's own table declarations carry its column types (enums on PostgreSQL).
+    from optuna.storages._rdb.models import (
+        TrialModel,
+        TrialParamModel,
+        TrialUserAttributeModel,
+        TrialValueModel,
+    )
+    from optuna.trial import TrialState
+
     from tuner.devices import describe
     from tuner.recipe import recipe_from_dict
     from tuner.space import load_space
@@ -115,6 +111,7 @@ def seed_study(url: str, study_name: str, n_trials: int, *, seed: int = 0, runni
     start = utcnow() - dt.timedelta(seconds=3 * (n_trials + running))
     trial_rows, value_rows, param_rows, attr_rows = [], [], [], []
     best = None
+    trials_t = TrialModel.__table__
     with storage.engine.begin() as conn:
         first_id = (conn.scalar(select(func.max(trials_t.c.trial_id))) or 0) + 1
         first_number = conn.scalar(select(func.count()).where(trials_t.c.study_id == sid)) or 0
@@ -124,9 +121,9 @@ def seed_study(url: str, study_name: str, n_trials: int, *, seed: int = 0, runni
             config = space.suggest(fake, recipe, device)
             metrics = _measure(config, rng, base=20000.0)
             began = start + dt.timedelta(seconds=3 * i)
-            state = "RUNNING"
+            state = TrialState.RUNNING
             if finished:
-                state = "COMPLETE" if metrics["status"] == "ok" else "FAIL"
+                state = TrialState.COMPLETE if metrics["status"] == "ok" else TrialState.FAIL
             trial_rows.append(
                 {
                     "trial_id": tid,
@@ -151,18 +148,25 @@ def seed_study(url: str, study_name: str, n_trials: int, *, seed: int = 0, runni
                 )
             if not finished:
                 continue
-            if state == "COMPLETE":
-                value_rows.append({"trial_id": tid, "objective": 0, "value": metrics["tokens_per_s"]})
+            if state == TrialState.COMPLETE:
+                value_rows.append(
+                    {
+                        "trial_id": tid,
+                        "objective": 0,
+                        "value": metrics["tokens_per_s"],
+                        "value_type": TrialValueModel.TrialValueType.FINITE,
+                    }
+                )
                 best = max(best or 0.0, metrics["tokens_per_s"])
             for key, value in metrics.items():
                 attr_rows.append({"trial_id": tid, "key": key, "value_json": json.dumps(value)})
         conn.execute(insert(trials_t), trial_rows)
         if value_rows:
-            conn.execute(insert(_TRIAL_VALUES).values(value_type="FINITE"), value_rows)
+            conn.execute(insert(TrialValueModel.__table__), value_rows)
         if param_rows:
-            conn.execute(insert(params_t), param_rows)
+            conn.execute(insert(TrialParamModel.__table__), param_rows)
         if attr_rows:
-            conn.execute(insert(attrs_t), attr_rows)
+            conn.execute(insert(TrialUserAttributeModel.__table__), attr_rows)
     return best
 
 
