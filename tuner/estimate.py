@@ -9,7 +9,7 @@ framework scratch, kernel code paged in on first use), calibrated from measured 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tuner.config import Config, microbatches
 from tuner.devices import DeviceInfo
@@ -76,6 +76,7 @@ def predicts_oom(est: Estimate, budget: int, margin: float = 0.15) -> bool:
 
 
 def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
+    """Memory of the busiest rank (the pipeline stage with the largest peak) and the step's FLOPs."""
     stages = [_stage(recipe, config, device, s) for s in range(config.pp)]
     worst = max(stages, key=lambda e: e.peak_mem_bytes)
     model_flops = flops_per_step(recipe)
@@ -85,13 +86,7 @@ def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
         4 * m.hidden**2 + 2 * m.hidden * m.ffn_size + 2 * m.hidden * m.seq_len
     )
     repeat = {"none": 0.0, "full": 1 / 3, "selective": attention_share / 3}[config.recompute]
-    return Estimate(
-        **{
-            **asdict(worst),
-            "flops_per_step": model_flops,
-            "hardware_flops_per_step": model_flops * (1 + repeat),
-        }
-    )
+    return replace(worst, flops_per_step=model_flops, hardware_flops_per_step=model_flops * (1 + repeat))
 
 
 def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Estimate:
