@@ -268,6 +268,64 @@ def _speed_line(compiled: float | None, eager: float | None, mode: str) -> str:
     return f"compiled (compile={mode}) {compiled:,.0f} tokens/s vs eager {eager:,.0f} tokens/s: {verdict}"
 
 
+def _collect_compiled(cold: Path, stage: Path, world: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Every rank's kernels into stage/kernels (and their index), and the compile caches."""
+    (stage / "kernels").mkdir()
+    index: list[dict[str, Any]] = []
+    caches: dict[str, str] = {}
+    rank0 = cold / "cache" / "rank0.bin"
+    for r in range(world):
+        index += collect_kernels(cold / "inductor" / f"rank{r}", stage / "kernels" / f"rank{r}", r)
+        blob = cold / "cache" / f"rank{r}.bin"
+        if not blob.is_file():
+            continue  # nothing compiled on this rank, nothing to cache
+        # Symmetric ranks (dp, tp) usually compile identical graphs: ship one cache for them.
+        same = rank0.is_file() and blob.read_bytes() == rank0.read_bytes()
+        caches[f"rank{r}"] = "compile-cache.bin" if r == 0 or same else f"compile-cache-rank{r}.bin"
+        shutil.copy(blob, stage / caches[f"rank{r}"])
+    (stage / "kernels" / "index.json").write_text(json.dumps(index, indent=1))
+    return index, caches
+
+
+def _summary_lines(
+    record: BuildRecord,
+    measured: dict[str, Any],
+    mode: str | None,
+    index: list[dict[str, Any]],
+    note: str | None,
+) -> list[str]:
+    """What the build found, in sentences: the CLI prints them, config.json keeps them."""
+    lines = [
+        f"trial {record.trial_number} of {record.study_name}: "
+        f"measured {measured.get('tokens_per_s') or 0:,.0f} tokens/s"
+    ]
+    if mode is None:
+        lines.append(f"eager (compile=none) re-measured: {record.eager_tokens_per_s or 0:,.0f} tokens/s")
+        lines.append(f"kernels: not produced: {note}")
+        return lines
+    lines.append(_speed_line(record.compiled_tokens_per_s, record.eager_tokens_per_s, mode))
+    cold_s, warm_s = record.compile_cold_s or 0.0, record.compile_warm_s
+    if warm_s is not None:
+        gain = f"{cold_s / warm_s:.1f}x faster" if warm_s else "instant"
+        lines.append(f"compile time: cold {cold_s:.1f}s, warm from compile-cache.bin {warm_s:.1f}s ({gain})")
+    else:
+        lines.append(f"compile time: cold {cold_s:.1f}s; {note}")
+    langs = sorted({e["language"] for e in index}) or ["none"]
+    ranks = len({e["rank"] for e in index})
+    lines.append(f"kernels: {len(index)} fused kernels ({', '.join(langs)}) from {ranks} rank(s)")
+    return lines
+
+
+def _cache_misses(warm: dict[str, Any] | None) -> list[int]:
+    """Ranks whose warm compile did not take its graphs from the loaded cache."""
+    ranks = (warm or {}).get("ranks", [])
+    return [
+        r["rank"]
+        for r in ranks
+        if r["counters"].get("fxgraph_cache_miss") or not r["counters"].get("fxgraph_cache_hit")
+    ]
+
+
 def _register(url: str, record: BuildRecord) -> int:
     from tuner.db import Build, session_scope
     from tuner.migrations import is_current, upgrade
@@ -343,52 +401,36 @@ def build_trial(
         eager_tokens_per_s=info["eager"]["tokens_per_s"],
         compile_cold_s=info.get("compile_s"), compile_warm_s=warm_s, config=built.active_params(),
     )  # fmt: skip
-    world = config.world_size
-    index: list[dict[str, Any]] = []
-    caches: dict[str, str] = {}
-    if compiled:
-        (stage / "kernels").mkdir()
-        rank0 = (work / "cold" / "cache" / "rank0.bin").read_bytes()
-        for r in range(world):
-            index += collect_kernels(
-                work / "cold" / "inductor" / f"rank{r}", stage / "kernels" / f"rank{r}", r
-            )
-            blob = (work / "cold" / "cache" / f"rank{r}.bin").read_bytes()
-            # Symmetric ranks (dp, tp) usually compile identical graphs: ship one cache for them.
-            caches[f"rank{r}"] = "compile-cache.bin" if blob == rank0 else f"compile-cache-rank{r}.bin"
-            (stage / caches[f"rank{r}"]).write_bytes(blob)
-        (stage / "kernels" / "index.json").write_text(json.dumps(index, indent=1))
+    index, caches = _collect_compiled(work / "cold", stage, config.world_size) if compiled else ([], {})
     record.kernels = len(index)
     shutil.copytree(work / "cold" / "profile", stage / "profile")
     device = describe(family)
-    launch_spec = dataclasses.replace(spec, config=config.to_dict(), workdir="run", tag=f"launch-{number}")
-    launch_spec.timeout_s = recipe.measure.timeout_s
+    launch_spec = dataclasses.replace(
+        spec,
+        config=config.to_dict(),
+        workdir="run",
+        tag=f"launch-{number}",
+        timeout_s=recipe.measure.timeout_s,
+    )
     (stage / "spec.json").write_text(json.dumps(launch_spec.to_dict(), indent=1))
     launch = stage / "launch.sh"
-    launch.write_text(_launch_script(number, study, world, measured.get("tokens_per_s"), device.name))
+    launch.write_text(
+        _launch_script(number, study, config.world_size, measured.get("tokens_per_s"), device.name)
+    )
     launch.chmod(0o755)
-    logs = stage / "logs"
-    logs.mkdir()
+    (stage / "logs").mkdir()
     for phase in ("cold", "warm"):
         if (work / phase / "trial.log").is_file():
-            shutil.copy(work / phase / "trial.log", logs / f"{phase}.log")
-
-    lines = [f"trial {number} of {study}: measured {measured.get('tokens_per_s') or 0:,.0f} tokens/s"]
-    if compiled:
-        lines.append(_speed_line(record.compiled_tokens_per_s, record.eager_tokens_per_s, built.compile))
-        cold_s = record.compile_cold_s or 0.0
-        if warm_s is not None:
-            gain = f"{cold_s / warm_s:.1f}x faster" if warm_s else "instant"
-            lines.append(
-                f"compile time: cold {cold_s:.1f}s, warm from compile-cache.bin {warm_s:.1f}s ({gain})"
-            )
-        else:
-            lines.append(f"compile time: cold {cold_s:.1f}s; {warm_note}")
-        langs = sorted({e["language"] for e in index}) or ["none"]
-        lines.append(f"kernels: {len(index)} fused kernels ({', '.join(langs)}) from {world} rank(s)")
-    else:
-        lines.append(f"eager (compile=none) re-measured: {record.eager_tokens_per_s or 0:,.0f} tokens/s")
-        lines.append(f"kernels: not produced: {no_kernels}")
+            shutil.copy(work / phase / "trial.log", stage / "logs" / f"{phase}.log")
+    lines = _summary_lines(
+        record, measured, built.compile if compiled else None, index, warm_note or no_kernels
+    )
+    missed = _cache_misses(warm_info)
+    if missed:
+        lines.append(
+            f"warning: the warm compile missed compile-cache.bin on rank(s) {', '.join(map(str, missed))}, "
+            "so its time is a recompile (Inductor's FX graph cache key did not match)"
+        )
     (stage / "config.json").write_text(
         json.dumps(
             {

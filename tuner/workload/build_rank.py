@@ -1,9 +1,9 @@
 """One rank of a build: `python -m tuner.workload.build_rank SPEC.json`, started by the build like a
 trial's rank. TUNER_BUILD_PHASE picks the phase:
 
-- `cold`: measure the config eager (compile=none), then compiled: time the cold compile, measure,
-  profile, and save the compiler's portable cache (`torch.compiler.save_cache_artifacts`) to
-  `{workdir}/cache/rank{r}.bin`. Inductor writes its generated kernels under
+- `cold`: compile the config, timing the cold compile; measure, profile, and save the compiler's
+  portable cache (`torch.compiler.save_cache_artifacts`) to `{workdir}/cache/rank{r}.bin`; then
+  measure the same config eager (compile=none) for comparison. Inductor writes its generated kernels under
   `{workdir}/inductor/rank{r}` (TORCHINDUCTOR_CACHE_DIR), where the build collects them.
 - `warm`: a fresh process with an empty inductor cache dir loads the cache saved by the cold phase
   (from the directory TUNER_BUILD_CACHE names) before compiling, and times the compile again.
@@ -79,16 +79,19 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
 
     workdir = Path(spec.workdir)
     compiled = spec.config.get("compile", "none") != "none"
-    eager_spec = dataclasses.replace(spec, config={**spec.config, "compile": "none"})
-    train = Training.from_spec(eager_spec, env)
-    eager_times, eager_losses = measure(train, eager_spec, baseline)
-    eager = _result(train, eager_spec, eager_times, eager_losses, None, None, None, [])
     mine: dict[str, Any] = {"rank": env.rank}
+    # The built config comes first: compiled graphs embed the names of the process groups they
+    # talk over, and those names follow creation order. Built first here, in the warm phase and in
+    # a job that loads the cache, the groups get the same names and the cache hits.
+    train = Training.from_spec(spec, env)
+    first = _timed_step(train, spec.family) if compiled else None
+    times, losses = measure(train, spec, baseline)
+    out = workdir / "profile"
+    report = profile_steps(train, min(PROFILE_STEPS, spec_steps(spec)), out, env.rank, spec.family)
+    mine["breakdown"] = report["seconds_per_step"]
+    result = _result(train, spec, times, losses, None, None, report, [])
+    eager = result
     if compiled:
-        del train
-        train = Training.from_spec(spec, env)
-        first = _timed_step(train, spec.family)
-        times, losses = measure(train, spec, baseline)
         mine["compile_s"] = max(0.0, first - statistics.median(times))
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
@@ -96,21 +99,20 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(saved[0])
             mine["cache_bytes"] = len(saved[0])
-    else:
-        times, losses = eager_times, eager_losses
-    out = workdir / "profile"
-    report = profile_steps(train, min(PROFILE_STEPS, spec_steps(spec)), out, env.rank, spec.family)
-    mine["breakdown"] = report["seconds_per_step"]
+        del train
+        eager_spec = dataclasses.replace(spec, config={**spec.config, "compile": "none"})
+        train = Training.from_spec(eager_spec, env)
+        eager_times, eager_losses = measure(train, eager_spec, baseline)
+        eager = _result(train, eager_spec, eager_times, eager_losses, None, None, None, [])
     ranks = _gather(mine, env.world_size)
     if env.rank != 0:
         return None
     write_breakdown(report, out)
-    result = _result(train, spec, times, losses, None, None, report, [])
     result.extra["build"] = {
         "phase": "cold",
         "compiled": compiled,
         "eager": eager.public() | {"step_times": eager.step_times},
-        "compile_s": max((r.get("compile_s", 0.0) for r in ranks), default=0.0) if compiled else None,
+        "compile_s": max(r["compile_s"] for r in ranks) if compiled else None,
         "ranks": ranks,
     }
     return result
