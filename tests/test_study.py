@@ -308,3 +308,33 @@ def test_running_trial_of_a_dead_driver_is_failed_and_its_config_retried(tune, u
     # The dead driver's trial does not count against the budget of 4.
     assert len([t for t in trials if t.state != TrialState.FAIL]) == 4
     assert summarize(summary.study_name, url).counts["failed"] == 1
+
+
+def test_ctrl_c_mid_study_then_rerun_finishes_the_budget_without_repeats(tune, url):
+    recipe = make_recipe("ctrl-c", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+
+    def interrupt(event):
+        if event["event"] == "trial_started" and event["trial"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune(recipe, trials=5, progress=interrupt)
+    study = optuna.load_study(study_name=study_name_of(recipe), storage=url)
+    assert not [t for t in study.trials if t.state == TrialState.RUNNING]
+    summary = tune(recipe, trials=5)
+    trials = trials_of(summary, url)
+    cancelled = [t for t in trials if t.user_attrs.get("cancelled")]
+    assert [t.number for t in cancelled] == [2]
+    counted = [t for t in trials if t.state != TrialState.FAIL]
+    assert len(counted) == 5
+    complete = [t for t in counted if t.state == TrialState.COMPLETE]
+    assert len({t.user_attrs["config_key"] for t in complete}) == len(complete)
+    # The interrupted config ran on the rerun.
+    assert any(config_from_params(t.params) == config_from_params(cancelled[0].params) for t in complete)
+
+
+def study_name_of(recipe) -> str:
+    from tuner.fingerprint import fingerprint
+    from tuner.study import study_name
+
+    return study_name(recipe, fingerprint("cpu"))

@@ -350,16 +350,20 @@ class _Driver:
             self._event("new_best", **fields, best_tokens_per_s=self.best)
 
     def _cancel_pending(self) -> None:
-        """Stop running trials; their configs go back in the queue for the next run."""
+        """Stop running trials; their configs go back in the queue for the next run.
+
+        Every RUNNING trial this driver owns is released, including one asked for but not yet
+        submitted when Ctrl-C arrived, so a rerun in this same process finds none left behind.
+        """
         self.executor.cancel()
-        for p in self.pending.values():
-            try:
-                p.trial.set_user_attr("cancelled", True)
-                self.study.tell(p.trial, state=TrialState.FAIL)
-                self.study.enqueue_trial(p.trial.params, user_attrs={"role": p.role or "retry"})
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass
         self.pending.clear()
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if (t.system_attrs.get(OWNER_KEY) or {}).get("id") != self.owner["id"]:
+                continue
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                self.storage.set_trial_user_attr(t._trial_id, "cancelled", True)
+                self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+                self.study.enqueue_trial(t.params, user_attrs={"role": t.user_attrs.get("role") or "retry"})
 
     # ---- before naming a winner -------------------------------------------------------------
 
