@@ -118,6 +118,20 @@ def test_jobs_of_dead_workers_are_requeued_or_failed_after_max_attempts(db_url):
         assert s.get(Job, retry).attempts == 2
 
 
+def test_workers_recovering_at_once_move_a_dead_workers_job_once(db_url):
+    job_id = _queue(
+        db_url, state="running", worker_id=f"{socket.gethostname()}:{_dead_pid()}:gone", attempts=1
+    )[0]
+    results: list[list] = []
+    threads = [threading.Thread(target=lambda: results.append(recover_jobs(db_url))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sum(len(r) for r in results) == 1
+    assert [e.kind for e in _events(db_url, job_id)] == ["requeued"]
+
+
 class _Executor:
     """Records cancel(); the stand-in study below never submits a trial."""
 

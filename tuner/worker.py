@@ -57,25 +57,29 @@ def recover_jobs(
     them after `max_attempts`. Returns [(job id, new state)]."""
     changed = []
     with session_scope(url) as s:
-        query = select(Job).where(Job.state == "running")
-        if s.bind.dialect.name == "postgresql":
-            query = query.with_for_update(skip_locked=True)
         now = utcnow()
-        for job in s.scalars(query):
-            if not worker_is_dead(job.worker_id, job.updated_at, now, stale_after_s):
+        running = s.execute(
+            select(Job.id, Job.worker_id, Job.updated_at, Job.attempts).where(Job.state == "running")
+        )
+        for job_id, dead, heartbeat, attempts in running.all():
+            if not worker_is_dead(dead, heartbeat, now, stale_after_s):
                 continue
-            dead = job.worker_id
-            if job.attempts >= max_attempts:
-                job.state, job.finished_at = "failed", now
-                job.error = (
-                    f"its worker died {job.attempts} times while running it (limit {max_attempts}); giving up"
-                )
-                add_event(s, job.id, "done", {"state": "failed", "error": job.error})
+            if attempts >= max_attempts:
+                error = f"its worker died {attempts} times while running it (limit {max_attempts}); giving up"
+                values = {"state": "failed", "finished_at": now, "error": error}
+                event = ("done", {"state": "failed", "error": error})
             else:
-                job.state = "queued"
-                add_event(s, job.id, "requeued", {"reason": f"worker {dead} died", "attempts": job.attempts})
-            job.worker_id, job.updated_at = None, now
-            changed.append((job.id, job.state))
+                values = {"state": "queued"}
+                event = ("requeued", {"reason": f"worker {dead} died", "attempts": attempts})
+            # Compare-and-set: several workers may recover at once; only one may move the job.
+            hit = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == "running", Job.worker_id == dead)
+                .values(worker_id=None, updated_at=now, **values)
+            )
+            if hit.rowcount == 1:
+                add_event(s, job_id, *event)
+                changed.append((job_id, values["state"]))
     for job_id, state in changed:
         log.warning("job %s: worker died; now %s", job_id, state)
     return changed

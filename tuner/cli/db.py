@@ -20,11 +20,11 @@ def upgrade_cmd(
     """Create or migrate the service's tables (jobs, builds, tokens, nightly results)."""
     from tuner.db import DatabaseError
     from tuner.db import database_url as default_url
-    from tuner.migrations import upgrade
+    from tuner.migrations import prepare_database
 
     url = database_url or default_url()
     try:
-        before, after = upgrade(url)
+        before, after = prepare_database(url)  # Optuna's tables too: one database, one command
     except DatabaseError as err:
         fail(str(err))
     typer.echo(

@@ -76,7 +76,7 @@ def serve(
     from api import create_app
     from api.settings import Settings, SettingsError
     from tuner.db import DatabaseError
-    from tuner.migrations import upgrade
+    from tuner.migrations import prepare_database
 
     executor = executor or "local"
     if executor not in ("local", "ray"):
@@ -84,7 +84,7 @@ def serve(
     os.environ["TUNER_EXECUTOR"] = executor
     try:
         settings = Settings.from_env()
-        upgrade(settings.database_url)  # once here, so the workers do not race to create tables
+        prepare_database(settings.database_url)  # once here, so the workers do not race to create tables
     except (SettingsError, DatabaseError) as err:
         fail(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -113,7 +113,7 @@ def worker(
 ) -> None:
     """Run a job worker: claim queued jobs and tune them (TUNER_DATABASE_URL, TUNER_ARTIFACT_DIR)."""
     from tuner.db import DatabaseError
-    from tuner.migrations import is_current, upgrade
+    from tuner.migrations import prepare_database
     from tuner.worker import Worker, WorkerSettings
 
     if executor not in (None, "local", "ray"):
@@ -121,8 +121,7 @@ def worker(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = WorkerSettings.from_env(executor=executor, poll_s=poll_s)
     try:
-        if not is_current(settings.database_url):
-            upgrade(settings.database_url)
+        prepare_database(settings.database_url)
     except DatabaseError as err:
         fail(str(err))
     w = Worker(settings)

@@ -67,3 +67,24 @@ def upgrade(url: str | None = None, revision: str = "head") -> tuple[str | None,
             return head_revision(), head_revision()
         raise DatabaseError(f"cannot migrate the database: {err.orig}; check TUNER_DATABASE_URL") from err
     return before, after
+
+
+def prepare_database(url: str | None = None, attempts: int = 3) -> tuple[str | None, str]:
+    """Our schema and Optuna's, both current: what `tuner serve`, `tuner worker` and `tuner db
+    upgrade` run first. Optuna creates its tables on first use, and two processes doing that at
+    once on a fresh database collide ("table ... already exists"); the loser retries and finds
+    them made."""
+    import time
+
+    from tuner.storage import get_storage
+
+    result = upgrade(url)
+    for attempt in range(attempts):
+        try:
+            get_storage(url)
+            break
+        except ValueError as err:
+            if "already exists" not in str(err) or attempt == attempts - 1:
+                raise DatabaseError(str(err)) from None
+            time.sleep(0.5 * (attempt + 1))
+    return result
