@@ -166,6 +166,29 @@ def test_executor_contract_with_standin(standin):
     assert ex.running() == []
 
 
+def test_concurrent_executor_gives_each_trial_its_own_cores(standin):
+    script = standin / "standin_rank.py"
+    script.write_text("import os\nprint('affinity', sorted(os.sched_getaffinity(0)))\n" + STANDIN)
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    ex = LocalExecutor(concurrent=True, cpus=cores)
+    specs = [make_spec(standin, f"one-rank-{i}", dp=1) for i in range(2)]
+    assert ex.free_slots(specs[0]) == 2
+    ex.submit(specs[0])
+    assert ex.free_slots(specs[1]) == 1
+    ex.submit(specs[1])
+    assert ex.free_slots(make_spec(standin, "third", dp=1)) == 0
+    results = []
+    deadline = time.monotonic() + 30
+    while len(results) < 2 and time.monotonic() < deadline:
+        results += ex.wait(timeout=1)
+    assert sorted(r.status for r in results) == ["ok", "ok"]
+    pinned = sorted(r.log_tail.split("affinity ")[1].splitlines()[0] for r in results)
+    assert pinned == [f"[{cores[0]}]", f"[{cores[1]}]"]
+    assert ex.free_slots(specs[0]) == 2
+
+
 def test_executor_cancel_kills_trial(standin):
     ex = LocalExecutor(env={"TUNER_TEST_FAULT": "hang"})
     spec = make_spec(standin, "c", timeout_s=60)

@@ -327,26 +327,48 @@ def tail(path: Path, lines: int) -> str:
 
 
 class LocalExecutor(Executor):
-    """One trial at a time per device family on this machine: a measurement needs its devices to
-    itself. Each trial runs `run_trial` in a background thread, so `submit` returns at once."""
+    """Trials on this machine, each `run_trial` in a background thread so `submit` returns at once.
+
+    By default one trial at a time per device family: a measurement needs its devices to itself.
+    With `concurrent=True` trials share the family's devices without overlapping: each gets its own
+    cores (cpu, pinned through `cpus`) or accelerators (`CUDA_VISIBLE_DEVICES` /
+    `ASCEND_RT_VISIBLE_DEVICES`), which is faster for a search but lets trials disturb each
+    other's memory bandwidth. `cpus` limits the cores this executor uses at all.
+    """
 
     name = "local"
+    _VISIBLE = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
-    def __init__(self, *, env: dict[str, str] | None = None, cpus: list[int] | None = None):
+    def __init__(
+        self, *, env: dict[str, str] | None = None, cpus: list[int] | None = None, concurrent: bool = False
+    ):
         self._env = env
         self._cpus = cpus
+        self._concurrent = concurrent
         self._lock = threading.Lock()
         self._running: dict[str, tuple[TrialSpec, threading.Thread, threading.Event]] = {}
+        self._held: dict[str, tuple[str, list[int]]] = {}  # tag -> (family, device or core ids)
         self._finished: queue.Queue[TrialResult] = queue.Queue()
 
-    def free_slots(self, spec: TrialSpec) -> int:
+    def _devices(self, family: str) -> list[int]:
+        if family == "cpu":
+            return sorted(self._cpus or os.sched_getaffinity(0))
         from tuner.devices import describe
 
+        return list(range(describe(family).count))
+
+    def _free(self, family: str) -> list[int]:
+        """Device ids of `family` no running trial holds (call with the lock held)."""
+        held = {i for fam, ids in self._held.values() if fam == family for i in ids}
+        return [i for i in self._devices(family) if i not in held]
+
+    def free_slots(self, spec: TrialSpec) -> int:
+        world = _world_size(spec)
         with self._lock:
+            if self._concurrent:
+                return len(self._free(spec.family)) // world
             busy = any(s.family == spec.family for s, _, _ in self._running.values())
-        if busy or describe(spec.family).count < _world_size(spec):
-            return 0
-        return 1
+        return 0 if busy or len(self._devices(spec.family)) < world else 1
 
     def submit(self, spec: TrialSpec) -> None:
         if self.free_slots(spec) < 1:
@@ -355,14 +377,24 @@ class LocalExecutor(Executor):
         thread = threading.Thread(target=self._run, args=(spec, stop), name=f"trial-{spec.tag}", daemon=True)
         with self._lock:
             self._running[spec.tag] = (spec, thread, stop)
+            if self._concurrent:
+                self._held[spec.tag] = (spec.family, self._free(spec.family)[: _world_size(spec)])
         thread.start()
 
     def _run(self, spec: TrialSpec, stop: threading.Event) -> None:
+        env, cpus = dict(self._env or {}), self._cpus
+        with self._lock:
+            _, ids = self._held.get(spec.tag, (None, None))
+        if ids is not None and spec.family == "cpu":
+            cpus = ids
+        elif ids is not None:
+            env[self._VISIBLE[spec.family]] = ",".join(map(str, ids))
         try:
-            result = run_trial(spec, env=self._env, cpus=self._cpus, stop=stop)
+            result = run_trial(spec, env=env, cpus=cpus, stop=stop)
         except Exception as err:  # noqa: BLE001 - a bug here must still come back as a result
             result = TrialResult(status="error", error_kind=type(err).__name__, error=str(err), tag=spec.tag)
         with self._lock:  # with `running()` in one step, so `wait` never sees neither
+            self._held.pop(spec.tag, None)
             if self._running.pop(spec.tag, None) is not None:
                 self._finished.put(result)
 
