@@ -93,7 +93,6 @@ class _Pending:
     trial: optuna.trial.Trial
     config: Config
     spec: TrialSpec
-    role: str | None
 
 
 class _Driver:
@@ -294,7 +293,7 @@ class _Driver:
                 trial.set_user_attr("estimated_peak_mem_bytes", v.estimated_peak_mem_bytes)
             spec = self._spec(config, str(trial.number), v.estimated_peak_mem_bytes, v.memory_budget_bytes)
             self.executor.submit(spec)
-            self.pending[spec.tag] = _Pending(trial, config, spec, role)
+            self.pending[spec.tag] = _Pending(trial, config, spec)
 
     def _measured_twin(self, key: str) -> int | None:
         """The trial that already measured (or is measuring) this config, if any."""
@@ -381,7 +380,10 @@ class _Driver:
         waiting: dict[str, FrozenTrial] = {}
         while (todo or waiting) and not self.should_stop():
             while todo:
-                spec = self._spec(config_from_params(todo[0].params), f"remeasure-{todo[0].number}")
+                config = config_from_params(todo[0].params)
+                v = verdict(config, self.recipe, self.device)
+                tag = f"remeasure-{todo[0].number}"
+                spec = self._spec(config, tag, v.estimated_peak_mem_bytes, v.memory_budget_bytes)
                 if self.executor.free_slots(spec) <= 0:
                     break
                 self.executor.submit(spec)
@@ -453,7 +455,8 @@ def run_study(
             driver.remeasure(remeasure_top)
     except BaseException:
         # Ctrl-C or a crash: running trials are stopped and their configs re-queued for a rerun.
-        driver._cancel_pending()
+        if hasattr(driver, "study"):
+            driver._cancel_pending()
         raise
     finally:
         if owned:
