@@ -246,6 +246,8 @@ const plotlyLoaded = new Promise((resolve) => {
   else window.addEventListener("load", resolve, { once: true });
 });
 
+// At most one refresh per second: each re-reads a changed study on the server.
+const REFRESH_MS = 1000;
 let pending = null;
 function refreshSoon() {
   // Events can arrive in bursts (several trials finishing at once): refresh once per burst.
@@ -255,7 +257,7 @@ function refreshSoon() {
     await Promise.all([loadOverview(), loadTable(), loadPlots()]);
     await drawParallel();
     dash.refreshes += 1;
-  }, 300);
+  }, REFRESH_MS);
 }
 
 // Server-sent events over fetch: EventSource cannot send the Authorization header.

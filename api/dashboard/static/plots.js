@@ -19,7 +19,10 @@ export function history(node, h) {
       text: h.failed.number.map((n, i) => `#${n} ${h.failed.status[i]}: ${h.failed.error[i]}`), hoverinfo: "text",
     });
   }
-  return draw(node, traces, { title: { text: "Optimisation history" }, xaxis: { title: { text: "trial" } }, yaxis: { title: { text: "tokens/s" } } });
+  // Whole trial numbers only: a short study would otherwise get ticks at 0.5.
+  const last = Math.max(0, ...h.number, ...h.failed.number);
+  const xaxis = { title: { text: "trial" }, dtick: last < 10 ? 1 : undefined };
+  return draw(node, traces, { title: { text: "Optimisation history" }, xaxis, yaxis: { title: { text: "tokens/s" } } });
 }
 
 export function importance(node, imp) {
