@@ -68,6 +68,7 @@ function renderBest(best, speedup, build, job) {
     : ["succeeded", "failed", "cancelled"].includes(job.state) ? "no build for this job" : "the build is made when the job succeeds";
   const bd = best.attrs.breakdown;
   $("breakdown-plot").hidden = !bd;
+  $("breakdown-note").hidden = Boolean(bd);
   if (bd && window.Plotly) plots.breakdown($("breakdown-plot"), [{ label: `#${best.number}`, breakdown: bd }]);
 }
 
