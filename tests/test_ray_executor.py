@@ -92,11 +92,15 @@ def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_pat
     with pytest.raises(ValueError, match="already running"):
         executor.submit(long)
 
+    wait_for(lambda: len(trial_pids(long)) == 2, 90, "the long trial's launcher and rank")
+    time.sleep(0.5)  # Ray's resource view now counts the trial; we have not read its start yet
+    assert executor.free_slots(tiny_spec(tmp_path, "next")) == RAY_CPUS - 1  # counted once, not twice
+
     def started():
         executor.wait(timeout=0.1)  # reads the task's "started on node ..." message
-        return executor.where("long") if len(trial_pids(long)) == 2 else None
+        return executor.where("long")
 
-    where = wait_for(started, 90, "the long trial's launcher and rank")
+    where = wait_for(started, 30, "the long trial's start message")
     os.kill(where["worker_pid"], signal.SIGKILL)
     died = collect(executor, {"long"}, timeout_s=30)
 

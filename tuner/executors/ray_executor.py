@@ -23,7 +23,7 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +113,13 @@ def _run_on_node(spec_dict: dict[str, Any], env: dict[str, str] | None, lease_di
 
     from tuner.executors.local import run_trial
 
+    ctx = ray.get_runtime_context()
     where = {
-        "ray_node_id": ray.get_runtime_context().get_node_id(),
+        "ray_node_id": ctx.get_node_id(),
         "ray_node_ip": ray.util.get_node_ip_address(),
         "worker_pid": os.getpid(),
+        # The GPUs/NPUs Ray gave this task (it also set CUDA_VISIBLE_DEVICES etc., which the ranks inherit).
+        "accelerator_ids": {kind: ids for kind, ids in ctx.get_accelerator_ids().items() if ids},
     }
     yield where  # tells the driver the trial left Ray's queue (see RayExecutor.free_slots)
     spec = TrialSpec.from_dict(spec_dict)
@@ -185,7 +188,6 @@ class _Trial:
     gen: Any  # ray.ObjectRefGenerator
     submitted: float
     where: dict[str, Any] | None = None  # set once the task started on a node
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class RayExecutor(Executor):
@@ -261,13 +263,15 @@ class RayExecutor(Executor):
                 pending += t.amount
         slots = 0
         for node, total in totals.items():
-            # Ray's view trails our starts and ends by ~0.1 s; what other jobs hold is the rest of its
-            # used count, and our own share we know exactly.
+            # Ray's view trails our starts and ends by ~0.1 s, and may show a task of ours as started
+            # before its "started" message reached us. So other jobs hold what Ray counts as used
+            # beyond our placed, just-ended and queued trials; our own share we know exactly.
             cap = total.get(resource, 0.0)
-            others = max(0.0, cap - avail.get(node, {}).get(resource, 0.0) - mine.get(node, 0.0))
+            used = cap - avail.get(node, {}).get(resource, 0.0)
+            others = max(0.0, used - mine.get(node, 0.0) - pending)
             running = sum(a for n, r, a in placed if n == node and r == resource)
             slots += int(max(0.0, cap - others - running) // amount)
-        # A queued task of ours will take a slot somewhere; Ray has not counted it yet.
+        # Each queued task of ours takes a slot somewhere.
         return max(0, slots - math.ceil(pending / amount))
 
     def free_slots(self, spec: TrialSpec) -> int:
