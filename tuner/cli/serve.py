@@ -7,10 +7,12 @@ import contextlib
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import typer
 
@@ -31,28 +33,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_local_ray(env: dict[str, str]) -> subprocess.Popen:
-    """A Ray head for this machine, owned by this process (stopped with it, never `ray stop`,
-    which would stop every Ray on the machine)."""
+def _start_local_ray(env: dict[str, str], timeout_s: float = 120.0) -> subprocess.Popen:
+    """A Ray head on loopback shared by this command's workers, in a process group of its own so
+    that stopping it stops all of Ray's processes (never `ray stop`: that stops every Ray on the
+    machine). Returns once the head accepts connections; sets RAY_ADDRESS for the workers."""
     port = _free_port()
+    # Ray's token auth, with a token of our own that the head and our workers share.
+    env.setdefault("RAY_AUTH_MODE", "token")
+    env.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     head = subprocess.Popen(
-        [
-            os.path.join(os.path.dirname(sys.executable), "ray"),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--disable-usage-stats",
-            "--include-dashboard=false",
-        ],
-        env=env,
-        preexec_fn=_die_with_parent,
-    )
-    env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
-    return head
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
+         f"--port={port}", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+         "--include-dashboard=false"],
+        env=env, start_new_session=True, preexec_fn=_die_with_parent,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            fail(f"--executor ray: the local Ray head exited (code {head.returncode}); see the log above")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+            os.environ["RAY_ADDRESS"] = env["RAY_ADDRESS"]  # /readyz checks the same address
+            return head
+        time.sleep(0.5)
+    _stop_group(head)
+    fail(f"--executor ray: the local Ray head did not come up in {timeout_s:.0f} s")
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:
+    """SIGTERM, a grace period, then SIGKILL."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -62,6 +71,17 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _stop_group(leader: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """Stop a process group we started (the Ray head): its helpers may outlive the leader."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        leader.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader.pid, signal.SIGKILL)
+    leader.wait()
 
 
 def serve(
@@ -90,20 +110,23 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     env = dict(os.environ)
-    children: list[subprocess.Popen] = []
+    head = None
     if executor == "ray" and workers and not env.get("RAY_ADDRESS"):
-        children.append(_start_local_ray(env))
-    for _ in range(workers):
-        children.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tuner.cli.main", "worker"], env=env, preexec_fn=_die_with_parent
-            )
+        head = _start_local_ray(env)
+        settings = Settings.from_env()  # now with RAY_ADDRESS, for /readyz
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tuner.cli.main", "worker"], env=env, preexec_fn=_die_with_parent
         )
+        for _ in range(workers)
+    ]
     try:
         uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
     finally:
-        # Workers first: they hand their jobs back to the queue; then the Ray head.
-        _stop(children[::-1])
+        # Workers first (they hand their jobs back to the queue), then the Ray head they use.
+        _stop(children)
+        if head is not None:
+            _stop_group(head)
 
 
 def worker(
