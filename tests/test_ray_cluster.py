@@ -90,9 +90,16 @@ def two_nodes(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
         try:
+            # Both at once: the worker node retries until the head's GCS answers.
+            starts = []
             for cmd, resource in ((head, "nodeA"), (worker, "nodeB")):
                 cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
-                subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=120)
+                starts.append(
+                    subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                )
+            for start in starts:
+                out, _ = start.communicate(timeout=120)
+                assert start.returncode == 0, f"{' '.join(start.args[:3])} failed:\n{out.decode()[-3000:]}"
             ex = RayExecutor(address=f"127.0.0.1:{port}", lease_dir=str(tmp_path_factory.mktemp("leases")))
             yield ex
             ex.close()
