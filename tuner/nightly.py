@@ -588,7 +588,7 @@ def api_tuner(
             if job["state"] != "succeeded":
                 tonight.error = job.get("error") or f"job {job['id']} {job['state']}"
                 return tonight
-            best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")["trial"]
+            best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")
             tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
             return tonight
 
