@@ -36,6 +36,11 @@ RECIPE = {
 CONFIG = {"dp": 2, "tp": 1, "micro_batch_size": 4}
 
 
+def _text(run) -> str:
+    """CLI output with rich's line wrapping undone."""
+    return " ".join(run.output.split())
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """A study holding one real trial (eager, dp=2), measured by the real trial runner."""
@@ -170,7 +175,7 @@ def test_no_study_yet_says_run_tune_first(measured, tmp_path):
         app, ["build", measured["recipe_path"], "--storage", f"sqlite:///{tmp_path}/empty.db"]
     )
     assert run.exit_code == 2
-    assert "tuner tune" in run.output and "Traceback" not in run.output
+    assert "tuner tune" in _text(run) and "Traceback" not in run.output
 
 
 def test_unknown_trial_lists_the_valid_ones(measured, tmp_path):
@@ -188,4 +193,31 @@ def test_unknown_trial_lists_the_valid_ones(measured, tmp_path):
         ],
     )
     assert run.exit_code == 2
-    assert "--trial 99" in run.output and "valid: 0" in run.output
+    assert "--trial 99" in _text(run) and "valid: 0" in _text(run)
+
+
+def test_build_past_its_timeout_fails_cleanly_and_leaves_no_process(measured, tmp_path):
+    run = CliRunner().invoke(
+        app,
+        [
+            "build",
+            measured["recipe_path"],
+            "--storage",
+            measured["url"],
+            "--out",
+            str(tmp_path),
+            "--timeout",
+            "10",
+        ],
+    )
+    assert run.exit_code == 1
+    assert "(timeout)" in _text(run) and "raise --timeout" in _text(run)
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(tmp_path) in cmdline:
+            left.append(cmdline.replace("\0", " "))
+    assert left == []

@@ -89,7 +89,7 @@ class _Progress:
 
         self._bar = Progress(
             SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-            console=err_console, transient=False,
+            console=err_console, transient=True,
         )  # fmt: skip
         self._bar.__enter__()
         self._task = self._bar.add_task("starting the build", total=5)
