@@ -57,6 +57,12 @@ def install_error_handlers(app: FastAPI) -> None:
             headers["Allow"] = ", ".join(_allowed_methods(req))
         return JSONResponse(error_body(str(err.detail)), err.status_code, headers=headers or None)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, err: Exception) -> JSONResponse:
+        # A bug, not bad input: keep the error shape, keep the traceback in the log only.
+        log.exception("unhandled error", exc_info=err)
+        return JSONResponse(error_body("internal error; the server log has the details"), 500)
+
     @app.exception_handler(DatabaseError)
     async def _database(_req: Request, err: DatabaseError) -> JSONResponse:
         log.error("database error: %s", err)

@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
-from tuner.db import FINAL_STATES, Build, Job, add_event, database_url, session_scope, utcnow
+from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, database_url, session_scope, utcnow
 
 log = logging.getLogger("tuner.worker")
 
@@ -24,6 +24,7 @@ HEARTBEAT_S = 2.0
 # dead pid is noticed at once).
 STALE_AFTER_S = 30.0
 MAX_ATTEMPTS = 3
+RETRY_S = 5.0  # after the database was unreachable
 
 
 def new_worker_id() -> str:
@@ -198,11 +199,18 @@ class Worker:
         log.info("worker %s: waiting for jobs (%s executor)", self.worker_id, self.settings.executor)
         last_recovery = 0.0
         while not self.shutdown.is_set():
-            if time.monotonic() - last_recovery > self.settings.stale_after_s / 2:
-                self.recover()
-                last_recovery = time.monotonic()
-            if self.run_once() is None:
-                self.shutdown.wait(self.settings.poll_s)
+            try:
+                if time.monotonic() - last_recovery > self.settings.stale_after_s / 2:
+                    self.recover()
+                    last_recovery = time.monotonic()
+                if self.run_once() is not None:
+                    continue
+            except DatabaseError as err:
+                # The database restarting should not take the worker down; its jobs wait for it.
+                log.error("worker %s: %s; retrying in %.0f s", self.worker_id, err, RETRY_S)
+                self.shutdown.wait(RETRY_S)
+                continue
+            self.shutdown.wait(self.settings.poll_s)
 
 
 class JobRun:
