@@ -186,15 +186,18 @@ def test_ddp_matches_one_process_with_its_bucket_and_cores(launch, single):
 
 
 def test_tp_halves_each_ranks_attention_and_mlp(launch, single):
-    run = launch(2, {"tp": 2})
+    # With fp16 master weights: the loss scaler must unscale DTensor gradients too.
+    run = launch(2, {"tp": 2, "amp": "O2", "amp_dtype": "fp16"})
     assert_same_training(run.result, single)
+    assert {r["param_dtype"] for r in run.ranks()} == {"float16"}
     matmul_params = 2 * (4 * 64 * 64 + 2 * 64 * 256)  # qkv, out, up, down of 2 blocks
     replicated = single["extra"]["ranks"][0]["params"] - matmul_params
     assert [r["params"] for r in run.ranks()] == [replicated + matmul_params // 2] * 2
 
 
 def test_pp_puts_half_the_layers_on_each_rank(launch, single):
-    run = launch(2, {"pp": 2, "pp_schedule": "1f1b"})
+    # With fp16 autocast: only the last stage scales a loss, yet both stages step together.
+    run = launch(2, {"pp": 2, "pp_schedule": "1f1b", "amp": "O1", "amp_dtype": "fp16"})
     assert_same_training(run.result, single)
     assert [r["layers"] for r in run.ranks()] == [[0], [1]]
 

@@ -3,6 +3,7 @@ run in, the optimizer, fp32 master weights for amp=O2, and the fp16 grad scaler.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import torch
@@ -24,10 +25,34 @@ def matmul_dtype_name(config: Config) -> str:
     return "tf32" if config.tf32 else "fp32"
 
 
+class ShardAwareGradScaler(torch.amp.GradScaler):
+    """torch's GradScaler, except that tensor-parallel (DTensor) gradients are unscaled and
+    inf-checked through their local shards: torch's version refuses lists mixing DTensors and
+    tensors. Agreeing on the verdict across ranks is the caller's job (`Training`)."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        from torch.distributed.tensor import DTensor
+
+        grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                if not allow_fp16 and g.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                grads[(g.device, g.dtype)].append(g)
+        found_per_device: dict[torch.device, torch.Tensor] = {}
+        for (device, _), group_grads in grads.items():
+            found = found_per_device.setdefault(device, found_inf.to(device, copy=True))
+            torch._amp_foreach_non_finite_check_and_unscale_(group_grads, found, inv_scale.to(device))
+        return found_per_device
+
+
 def make_scaler(config: Config, device_type: str) -> torch.amp.GradScaler | None:
     """fp16 has too little range for small gradients; bf16 and fp32 need no scaling."""
     if config.amp != "O0" and config.amp_dtype == "fp16":
-        return torch.amp.GradScaler(device_type)
+        return ShardAwareGradScaler(device_type)
     return None
 
 

@@ -103,6 +103,9 @@ class Training:
         )  # fmt: skip
         if dims.pp_enabled:
             self.schedule = self._make_schedule(coords["pp"])
+        if self.scaler:
+            # Only the last stage scales a loss; this starts every rank at the same scale.
+            self.scaler.scale(torch.ones((), device=device))
         return self
 
     def _make_schedule(self, pp_rank: int):
@@ -182,12 +185,24 @@ class Training:
             if self.master:
                 self.master.grads_to_master()
             if self.scaler:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+                self._scaled_step()
             else:
                 self.optimizer.step()
             if self.master:
                 self.master.master_to_params()
+
+    def _scaled_step(self) -> None:
+        """fp16 loss scaling across ranks: every rank must skip the same steps, or the replicas'
+        weights diverge. Pipeline stages and tensor-parallel shards each see only their own
+        gradients, so the inf/nan verdict is agreed by an all-reduce (as FSDP's sharded scaler
+        does) before the step."""
+        self.scaler.unscale_(self.optimizer)
+        if self.env.world_size > 1:
+            state = self.scaler._per_optimizer_states[id(self.optimizer)]
+            for found_inf in state["found_inf_per_device"].values():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     def zero_grad(self) -> None:
         if self.master:
