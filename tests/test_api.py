@@ -126,9 +126,13 @@ def test_bad_recipes_get_422_naming_the_field(client, auth, text, field, says):
         assert says in json.dumps(resp.json())
 
 
-def test_unknown_search_space_is_refused_at_submit(client, auth):
+def test_unknown_search_space_or_override_is_refused_at_submit(client, auth):
     resp = _submit(client, auth, TINY.replace("search: {", "search: {space: nosuch, "))
     assert resp.status_code == 422 and "unknown search space" in _fields(resp)["search.space"]
+    resp = _submit(client, auth, TINY.replace("search: {", "search: {space: /etc/passwd, "))
+    assert resp.status_code == 422 and "search.space" in _fields(resp)
+    resp = _submit(client, auth, TINY.replace("search: {", "search: {overrides: {attention: [warp]}, "))
+    assert resp.status_code == 422 and "attention" in _fields(resp)["search.overrides"]
 
 
 def test_oversized_and_mistyped_bodies(client, auth):

@@ -99,16 +99,19 @@ def _check_recipe(recipe: Recipe, settings: Settings) -> None:
                 f"at most {settings.max_timeout_min} minutes per job on this service (TUNER_MAX_TIMEOUT_MIN)",
             )
         )
-    if recipe.search.space is not None:
-        # Catch a bad space or override now, not minutes later in the worker.
+    # Catch a bad space or override now, not minutes later in the worker. A space is only ever
+    # a name here: a REST recipe must not point a worker at a file on its disk.
+    device = recipe.hardware.device
+    space = recipe.search.space or (device if device != "auto" else None)
+    if space is not None:
         from tuner.space import SpaceError, available_spaces, load_space
 
-        if recipe.search.space not in available_spaces():
+        if space not in available_spaces():
             known = ", ".join(available_spaces()) or "none"
             problems.append(("search.space", f"unknown search space; this service has: {known}"))
         else:
             try:
-                load_space(recipe.search.space).narrow(recipe.search.overrides)
+                load_space(space).narrow(recipe.search.overrides)
             except SpaceError as err:
                 problems.append(("search.overrides", str(err)))
     if problems:
