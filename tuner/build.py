@@ -61,6 +61,8 @@ class NoTrialError(BuildError):
 
 @dataclass
 class BuildRecord:
+    """What a build produced and measured (tokens/s are global, compile times the slowest rank's)."""
+
     path: str
     sha256: str
     size_bytes: int
@@ -85,6 +87,7 @@ class BuildRecord:
 def _load_trial(recipe: Recipe, family: str, name: str | None, number: int | None, url: str):
     """(study name, trial number, Config, measured metrics) of the trial to build."""
     import optuna
+    import sqlalchemy
     from optuna.trial import TrialState
 
     from tuner.fingerprint import fingerprint
@@ -97,8 +100,9 @@ def _load_trial(recipe: Recipe, family: str, name: str | None, number: int | Non
     try:
         study = optuna.load_study(study_name=name, storage=get_storage(url))
     except KeyError:
+        shown = sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
         raise NoStudyError(
-            f"no study {name!r} for recipe {recipe.name!r} on this machine in {url}; "
+            f"no study {name!r} for recipe {recipe.name!r} on this machine in {shown}; "
             "run `tuner tune RECIPE` first (or pass --storage where it ran)"
         ) from None
     measured = [
@@ -109,6 +113,12 @@ def _load_trial(recipe: Recipe, family: str, name: str | None, number: int | Non
     valid = sorted(t.number for t in measured)
     if number is None:
         best = build_summary(study, url).best
+        if best is None and valid:
+            raise NoTrialError(
+                f"no trial of {name!r} qualifies as the best (loss drift or memory budget); "
+                f"pick one with --trial N; valid: {', '.join(map(str, valid))}",
+                valid,
+            )
         if best is None:
             raise NoTrialError(
                 f"study {name!r} has no measured trial yet; run `tuner tune RECIPE` first", valid
@@ -378,7 +388,11 @@ def build_trial(
         recipe=recipe.to_dict(), config=built.to_dict(), family=family, workdir=str(work / "cold"),
         timeout_s=timeout_s, seed=0, tag=f"build-{number}",
     )  # fmt: skip
-    what = f"eager, then compiling (compile={built.compile}) cold" if compiled else "measuring and profiling"
+    what = (
+        f"compiling (compile={built.compile}) cold, then measuring it and eager"
+        if compiled
+        else "measuring and profiling (no compile)"
+    )
     say(1, 5, what)
     cold = _run_phase(spec, {"TUNER_BUILD_PHASE": "cold"}, deadline, "cold build phase")
     info = cold.extra["build"]
