@@ -42,7 +42,8 @@ class BudgetExceeded(RuntimeError):
 class Fault:
     """The TUNER_TEST_FAULT hook for this rank (see the module docstring)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, device: torch.device):
+        self.device = device
         self.kind = os.environ.get("TUNER_TEST_FAULT", "")
         self.delay_s = float(os.environ.get("TUNER_TEST_STEP_DELAY_S", "0") or 0)
         target = int(os.environ.get("TUNER_TEST_FAULT_RANK", "0") or 0)
@@ -65,7 +66,9 @@ class Fault:
             os.kill(os.getpid(), signal.SIGSEGV)
         if self.kind.startswith("alloc:"):
             mib = int(self.kind.split(":", 1)[1])
-            self.held = torch.ones(mib * 2**20, dtype=torch.uint8)  # ones: touch every page
+            # On the training device, so the device's own peak-memory reading sees it; ones
+            # (not empty) so every host page is really touched.
+            self.held = torch.ones(mib * 2**20, dtype=torch.uint8, device=self.device)
             return
         raise ValueError(f"TUNER_TEST_FAULT={self.kind!r}: use raise, hang, segfault or alloc:<MiB>")
 
@@ -85,10 +88,10 @@ def _check_budget(spec: TrialSpec, baseline: int) -> None:
         )
 
 
-def _max_over_ranks(values: list[int], world: int) -> list[int]:
+def _max_over_ranks(values: list[int], world: int, device: torch.device) -> list[int]:
     if world == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t.tolist()]
 
@@ -96,7 +99,7 @@ def _max_over_ranks(values: list[int], world: int) -> list[int]:
 def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[list[float], list[float]]:
     """Warm-up then measured steps; (step times, global losses) of the measured steps."""
     m = train.recipe.measure
-    fault = Fault(train.env.rank)
+    fault = Fault(train.env.rank, train.device)
     times: list[float] = []
     local_losses: list[torch.Tensor] = []
     for i in range(m.warmup_steps + m.steps):
@@ -126,7 +129,7 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
         print(f"trial {spec.tag or '-'}: {env.world_size} ranks, {torch.get_num_threads()} threads/rank, "
               f"{train.n_microbatches} microbatches/step, {train.local_params():,} params on rank 0", flush=True)  # fmt: skip
     times, losses = measure(train, spec, baseline)
-    alloc, reserved = _max_over_ranks(list(peak_memory(spec.family, baseline)), env.world_size)
+    alloc, reserved = _max_over_ranks(list(peak_memory(spec.family, baseline)), env.world_size, train.device)
     report = None
     if spec.profile:
         out = Path(spec.workdir) / "profile"
