@@ -331,3 +331,47 @@ def test_optuna_dashboard_lists_our_studies(db):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_downsampling_caps_failures_but_keeps_every_improvement():
+    from api.dashboard.plots import SAMPLE_LIMIT, downsample
+    from api.dashboard.store import TrialRow
+
+    def row(n: int) -> TrialRow:
+        failed = n % 2 == 1  # half the study failed: more than the plot's quarter for failures
+        return TrialRow(
+            number=n,
+            state="fail" if failed else "complete",
+            status="oom" if failed else "ok",
+            values=[] if failed else [float(n % 97 + n / 100)],
+            params={},
+            attrs={"peak_mem_allocated_bytes": 1000 - n % 13},
+            started_at=None,
+            finished_at=None,
+        )
+
+    rows = [row(n) for n in range(6000)]
+    sample = downsample(rows)
+    assert len(sample) <= SAMPLE_LIMIT
+    assert sum(r.failed for r in sample) == SAMPLE_LIMIT // 4
+    best, improvements = None, []
+    for r in rows:
+        if r.state == "complete" and (best is None or r.tokens_per_s > best):
+            best = r.tokens_per_s
+            improvements.append(r.number)
+    assert set(improvements) <= {r.number for r in sample}
+    assert [r.number for r in sample] == sorted(r.number for r in sample)
+
+
+def test_a_queued_job_without_a_study_shows_empty_table_and_plots(client, db):
+    with session_scope(db["url"]) as s:
+        job = Job(recipe_name="queued", recipe={}, recipe_hash="h", state="queued", trials_total=3)
+        s.add(job)
+        s.flush()
+        job_id = job.id
+    table = _get(client, db, f"/ui/api/jobs/{job_id}/trials")
+    assert table["total"] == 0 and table["items"] == []
+    assert _get(client, db, f"/ui/api/jobs/{job_id}/plots") == {"total": 0, "sampled": 0}
+    overview = _get(client, db, f"/ui/api/jobs/{job_id}/overview")
+    assert overview["best"] is None and overview["build"]["ready"] is False
+    assert client.get("/ui/api/jobs/999999/overview", headers=db["auth"]).status_code == 404

@@ -69,7 +69,7 @@ def downsample(rows: list[TrialRow], limit: int = SAMPLE_LIMIT) -> list[TrialRow
             best = t
     keep.update(r.number for r in pareto_front(finished))
     keep.update(r.number for r in _evenly([r for r in finished if r.failed], limit // 4))
-    rest = [r for r in finished if r.number not in keep]
+    rest = [r for r in finished if r.number not in keep and not r.failed]
     keep.update(r.number for r in _evenly(rest, limit - len(keep)))
     return [r for r in finished if r.number in keep]
 

@@ -132,10 +132,8 @@ def read_trials_table(
 ):
     """One page of the trials table, sorted and filtered on the server."""
     job = _job(session, job_id)
-    study = _study(session, job)
-    if study is None:
-        return {"total": 0, "total_all": 0, "page": 1, "size": size, "pages": 1, "sort": sort, "items": [],
-                "status_counts": {}, "knobs": {}}  # fmt: skip
+    # A queued job has no study yet: an empty one shows the same (empty) table.
+    study = _study(session, job) or StudyRows(study_name="", version=(), rows=[])
     filters = table.parse_knob_filters(list(knob), study)
     return table.page(study, page=page, size=size, sort=sort, statuses=list(status), knobs=filters)
 
