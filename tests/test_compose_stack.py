@@ -1,10 +1,11 @@
 """The compose services' own commands, started directly on this machine (no Docker engine): a fresh
 PostgreSQL database, `migrate`, a Ray head and a Ray worker on loopback, the API and the job
-worker together tune a submitted recipe end to end."""
+worker tune a recipe end to end, submitted by `tuner nightly --api` as a cron would."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -21,13 +22,15 @@ from test_compose import interpolate as _interpolate
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
+NIGHTLY = ["tuner", "nightly", "--trials", "2", "--night", "2026-11-28"]
+
 PG_URL = os.environ.get("TUNER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 RECIPE = {
     "name": "compose-e2e",
     "model": {"family": "gpt", "layers": 1, "hidden": 32, "heads": 2, "seq_len": 32, "vocab": 256},
     "train": {"global_batch_size": 4},
     "hardware": {"device": "cpu", "devices": 1},
-    "search": {"trials": 2, "timeout_min": 5},
+    "search": {"trials": 30, "timeout_min": 5},
     "measure": {"warmup_steps": 1, "steps": 2, "timeout_s": 120},
 }
 
@@ -73,10 +76,10 @@ class Stack:
             start_new_session=True,
         )  # fmt: skip
 
-    def run(self, argv: list[str]) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
         exe = str(Path(sys.executable).parent / argv[0])
         return subprocess.run(
-            [exe, *argv[1:]], cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=120
+            [exe, *argv[1:]], cwd=self.workdir, env=self.env, capture_output=True, text=True, timeout=timeout
         )
 
     def logs(self) -> str:
@@ -190,20 +193,26 @@ def test_compose_commands_tune_a_submitted_recipe_end_to_end(database, tmp_path)
             ["ray-worker"],
         )
 
-        job = client.post("/v1/jobs", json=RECIPE)
-        assert job.status_code == 202, job.text
-        job_id = job.json()["id"]
+        # The job is submitted the way the nightly cron does it with --api (the compose nightly
+        # service drives studies itself; this is the REST client path of `tuner nightly`).
+        (tmp_path / "recipes").mkdir()
+        (tmp_path / "recipes" / "e2e.yaml").write_text(json.dumps(RECIPE))
+        nightly = [*NIGHTLY, str(tmp_path / "recipes"), "--api", base, "--report", str(tmp_path / "reports")]
+        stack.env["TUNER_API_TOKEN"] = token
+        ran = stack.run(nightly, timeout=400)
+        assert ran.returncode == 0, f"{ran.stdout}{ran.stderr}\n{stack.logs()}"
+        line = json.loads((tmp_path / "reports" / "nightly-2026-11-28.json").read_text())["recipes"][0]
+        assert line["verdict"] == "first_run" and line["fingerprint_hash"]
 
-        def finished():
-            state = client.get(f"/v1/jobs/{job_id}").json()
-            return state if state["state"] in ("succeeded", "failed", "cancelled") else None
-
-        done = wait_for(f"job {job_id}", finished, stack, 300, ["api", "worker", "ray-head", "ray-worker"])
+        job_id = line["job_id"]
+        done = client.get(f"/v1/jobs/{job_id}").json()
         trials = client.get(f"/v1/jobs/{job_id}/trials").json()["items"]
         why = [(t["status"], t["result"].get("error")) for t in trials]
         assert done["state"] == "succeeded", f"{done['error']}\ntrials: {why}\n{stack.logs()}"
-        assert done["trials_done"] == 2 and done["best_tokens_per_s"] > 0
+        assert done["name"] == "compose-e2e@nightly-2026-11-28" and done["trials_done"] == 2
         best = client.get(f"/v1/jobs/{job_id}/best").json()
-        assert best["metrics"]["status"] == "ok" and best["tokens_per_s"] > 0 and best["config"]
+        assert best["metrics"]["status"] == "ok" and best["tokens_per_s"] > 0
+        assert line["best_tokens_per_s"] == pytest.approx(best["tokens_per_s"])
+        assert line["config"] == best["config"]
     finally:
         stack.stop()

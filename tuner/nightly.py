@@ -367,7 +367,7 @@ def render_markdown(outcomes: list[Outcome], night: dt.date, threshold: float) -
     lines = [
         f"# Nightly tuning report, {night.isoformat()}",
         "",
-        f"{len(outcomes)} recipes: {summary}. Exit code {exit_code(outcomes)}: a drop of more than "
+        f"{len(outcomes)} recipe{'' if len(outcomes) == 1 else 's'}: {summary}. Exit code {exit_code(outcomes)}: a drop of more than "
         f"{threshold * 100:g}% in the best tokens/s, or a failed recipe, fails the run.",
         "",
         "| recipe | verdict | previous best tokens/s | new best tokens/s | change "
@@ -408,7 +408,7 @@ def render_markdown(outcomes: list[Outcome], night: dt.date, threshold: float) -
             prev_cfg, new_cfg = o.previous_config or {}, o.config or {}
             for knob in dict.fromkeys([*prev_cfg, *new_cfg]):
                 a, b = prev_cfg.get(knob, "—"), new_cfg.get(knob, "—")
-                mark = "**" if a != b else ""
+                mark = "**" if prev_cfg and new_cfg and a != b else ""  # what changed since last night
                 lines.append(f"| {knob} | {a} | {mark}{b}{mark} |")
     return "\n".join(lines) + "\n"
 
@@ -556,6 +556,7 @@ def api_tuner(
     base_url: str,
     token: str,
     *,
+    night: dt.date,
     trials: int,
     storage_url: str | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -563,8 +564,10 @@ def api_tuner(
 ) -> Tune:
     """Tune through the REST service: submit the recipe with tonight's budget, follow the job.
 
-    The job API takes a recipe and nothing else, so the warm-start configs cannot be passed: the
-    service's study for this recipe and fingerprint carries its own history instead.
+    The job is named `<recipe>@nightly-<night>`, and the service keys its study by that name, so
+    tonight's best is measured tonight (a study shared across nights would keep answering with an
+    old measurement). The job API takes a recipe and nothing else, so tonight's warm start is the
+    service's own: the best configs of the most similar earlier study on the same fingerprint.
     """
 
     def tune(recipe: Recipe, enqueue: list[dict[str, Any]]) -> Tonight:
@@ -573,6 +576,7 @@ def api_tuner(
         import httpx
 
         doc = recipe.to_dict()
+        doc["name"] = f"{recipe.name}@nightly-{night.isoformat()}"
         doc["search"]["trials"] = trials
         headers = {"Authorization": f"Bearer {token}"}
         with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=30) as client:
@@ -583,16 +587,36 @@ def api_tuner(
                 time.sleep(poll_s)
                 job = _call(client, "GET", f"/v1/jobs/{job['id']}")
             fp = _study_fingerprint(job.get("study_name"), storage_url)
-            tonight = Tonight(None, None, fp, _hash(fp), study_name=job.get("study_name"), job_id=job["id"])
+            fp_hash = _hash(fp) or (job.get("study_name") or "").removesuffix("-pareto").rsplit("-", 1)[-1]
+            tonight = Tonight(None, None, fp, fp_hash, study_name=job.get("study_name"), job_id=job["id"])
             tonight.trials = job["trials_done"]
             if job["state"] != "succeeded":
                 tonight.error = job.get("error") or f"job {job['id']} {job['state']}"
                 return tonight
             best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")
             tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
+            if enqueue:
+                ok = _call(
+                    client, "GET", f"/v1/jobs/{job['id']}/trials", params={"status": "ok", "limit": 500}
+                )
+                tonight.remeasured_previous_tokens_per_s = _tokens_of(enqueue[0], ok["items"])
             return tonight
 
     return tune
+
+
+def _tokens_of(config: dict[str, Any], trials: list[dict[str, Any]]) -> float | None:
+    """tokens/s of the trial (if any) that measured `config`."""
+    from tuner.space import config_from_params
+
+    want = config_from_params(config).key()
+    for t in trials:
+        try:
+            if config_from_params(t["config"]).key() == want:
+                return t["tokens_per_s"]
+        except ValueError:
+            continue
+    return None
 
 
 def _call(client: Any, method: str, path: str, **kwargs: Any) -> dict[str, Any]:

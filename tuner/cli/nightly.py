@@ -158,7 +158,9 @@ def _run_pass(
                 progress.update(_task, completed=done, total=total or trials)
 
             if api:
-                tune = nl.api_tuner(api, token, trials=trials, storage_url=storage, progress=on_trial)
+                tune = nl.api_tuner(
+                    api, token, night=night, trials=trials, storage_url=storage, progress=on_trial
+                )
                 expected = None
             else:
                 tune = nl.local_tuner(
