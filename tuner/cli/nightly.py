@@ -14,8 +14,11 @@ from tuner.cli.common import err_console, fail
 EPILOG = (
     "Exit codes: 0 all recipes fine; 1 a recipe regressed by more than --fail-on-regression, or failed; "
     "2 bad input.\n\n"
-    "Example crontab line (02:00 every night, mail on failure):\n\n"
-    "0 2 * * * cd /srv/tuner && .venv/bin/tuner nightly recipes/nightly/ --local --report reports/"
+    "Crontab (02:00 every night; cron mails the log only when the run fails):\n\n"
+    "MAILTO=perf-team@example.com\n\n"
+    "TUNER_DATABASE_URL=postgresql+psycopg://tuner:PASSWORD@dbhost:5432/tuner\n\n"
+    "0 2 * * * cd /srv/tuner && .venv/bin/tuner nightly recipes/nightly/ --local --report reports/ "
+    "> reports/last.log 2>&1 || cat reports/last.log"
 )
 
 
@@ -54,7 +57,7 @@ def nightly(
         "results; an earlier date stands in for a previous night (tests, back-fills).",
     ),
     top_k: int = typer.Option(
-        3, "--top-k", min=1, help="How many of the previous night's best configs to measure first."
+        3, "--top-k", min=1, help="With --local: how many of the previous night's best configs run first."
     ),
     remeasure: int = typer.Option(
         1,
@@ -81,8 +84,11 @@ def nightly(
     best configs, and compare the new best tokens/s with the previous night's (same hardware and
     software fingerprint when there is one; a changed fingerprint is reported and compared anyway).
 
-    Last night's best config is measured again first, so a slower machine or a slower torch shows
-    up as a lower best. Writes a Markdown and a JSON report and one history row per recipe per night.
+    With --local, last night's best config is tonight's first trial, in a study of its own per night,
+    so a slower machine or a slower torch shows up as a lower best. With --api each night is a job
+    of its own (`<recipe>@nightly-<date>`) warm-started by the service from its similar studies.
+    Writes a Markdown and a JSON report, and one history row per recipe per night (the dashboard's
+    history page).
     """
     from tuner import nightly as nl
     from tuner.db import DatabaseError
