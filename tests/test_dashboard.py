@@ -375,3 +375,27 @@ def test_a_queued_job_without_a_study_shows_empty_table_and_plots(client, db):
     overview = _get(client, db, f"/ui/api/jobs/{job_id}/overview")
     assert overview["best"] is None and overview["build"]["ready"] is False
     assert client.get("/ui/api/jobs/999999/overview", headers=db["auth"]).status_code == 404
+
+
+@pytest.mark.slow
+def test_fuzzed_dashboard_queries_never_get_a_5xx(db):
+    """Property-based requests to every /ui/api route (schemathesis): bad input is a 4xx, never a
+    traceback."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+
+    app = create_app(Settings(database_url=db["url"]))
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app).include(path_regex="^/ui/api")
+    token = db["auth"]["Authorization"]
+    operations = [op.ok() for op in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/ui/api/jobs/{job_id}/trials", "/ui/api/compare"}
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+        def check(case):
+            case.headers = {**(case.headers or {}), "Authorization": token}
+            case.call_and_validate(checks=[not_a_server_error])
+
+        check()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, RedirectResponse
 from sqlalchemy import select
 
@@ -15,14 +16,17 @@ from api.dashboard import nightly, plots, table
 from api.dashboard.store import StudyRows, load_study_rows
 from api.deps import ReadAuth, SessionDep
 from api.errors import ApiError
-from api.schemas import ErrorBody, JobPublic
+from api.schemas import ErrorBody, JobId, JobPublic
 from tuner.db import Build, Job
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
 TEMPLATES = HERE / "templates"
 _ASSET = re.compile(r"^[a-z][a-z0-9_-]*\.(js|css)$")
-_TRIAL_REF = re.compile(r"^([0-9]{1,12}):([0-9]{1,9})$")
+_TRIAL_REF = re.compile(r"^([0-9]{1,9}):([0-9]{1,9})$")
+TrialNumber = Annotated[
+    int, PathParam(ge=0, le=2_147_483_647, description="The trial's number in its study.")
+]
 
 pages = APIRouter(prefix="/ui", include_in_schema=False)
 data = APIRouter(
@@ -45,7 +49,7 @@ def read_jobs_page():
 
 
 @pages.get("/jobs/{job_id}")
-def read_job_page(job_id: int):
+def read_job_page(job_id: JobId):
     return _page("job.html")
 
 
@@ -89,7 +93,7 @@ def _study(session, job: Job) -> StudyRows | None:
 
 
 @data.get("/jobs/{job_id}/overview")
-def read_overview(job_id: int, session: SessionDep, _: ReadAuth):
+def read_overview(job_id: JobId, session: SessionDep, _: ReadAuth):
     """The job, its best trial with speedup and step-time breakdown, the build, recent failures."""
     job = _job(session, job_id)
     study = _study(session, job)
@@ -119,10 +123,10 @@ def read_overview(job_id: int, session: SessionDep, _: ReadAuth):
 
 @data.get("/jobs/{job_id}/trials")
 def read_trials_table(
-    job_id: int,
+    job_id: JobId,
     session: SessionDep,
     _: ReadAuth,
-    page: Annotated[int, Query(ge=1)] = 1,
+    page: Annotated[int, Query(ge=1, le=1_000_000)] = 1,
     size: Annotated[int, Query(ge=1, le=table.MAX_PAGE_SIZE)] = 50,
     sort: Annotated[
         str, Query(max_length=100, description="A column or knob; '-' prefix: descending")
@@ -139,7 +143,7 @@ def read_trials_table(
 
 
 @data.get("/jobs/{job_id}/plots")
-def read_plots(job_id: int, session: SessionDep, _: ReadAuth):
+def read_plots(job_id: JobId, session: SessionDep, _: ReadAuth):
     """Plot series from at most ~1,000 trials (best-so-far steps and failures always kept)."""
     job = _job(session, job_id)
     study = _study(session, job)
@@ -149,7 +153,7 @@ def read_plots(job_id: int, session: SessionDep, _: ReadAuth):
 
 
 @data.get("/jobs/{job_id}/trials/{number}")
-def read_trial(job_id: int, number: int, session: SessionDep, _: ReadAuth):
+def read_trial(job_id: JobId, number: TrialNumber, session: SessionDep, _: ReadAuth):
     job = _job(session, job_id)
     study = _study(session, job)
     if study is None:
