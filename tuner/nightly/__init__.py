@@ -1,0 +1,63 @@
+"""The nightly re-tune: warm-start each registered recipe from its last best, judge tonight's best
+against the previous night's, keep one history row per recipe per night, and write the report.
+
+`tuner nightly` (tuner/cli/nightly.py) is the command; these are its parts."""
+
+from tuner.nightly.history import (
+    FAILED,
+    FIRST_RUN,
+    IMPROVED,
+    REGRESSED,
+    UNCHANGED,
+    VERDICTS,
+    Outcome,
+    Previous,
+    Tonight,
+    Tune,
+    exit_code,
+    find_previous,
+    judge,
+    record,
+    run_recipe,
+    warm_start_configs,
+)
+from tuner.nightly.inputs import NightlyError, find_recipes, parse_night, parse_threshold, seconds_until
+from tuner.nightly.report import render_markdown, write_report
+from tuner.nightly.tuners import (
+    ServiceError,
+    api_tuner,
+    local_fingerprint_hash,
+    local_tuner,
+    nightly_study_name,
+)
+
+__all__ = [
+    "FAILED",
+    "FIRST_RUN",
+    "IMPROVED",
+    "REGRESSED",
+    "UNCHANGED",
+    "VERDICTS",
+    "NightlyError",
+    "Outcome",
+    "Previous",
+    "ServiceError",
+    "Tonight",
+    "Tune",
+    "api_tuner",
+    "exit_code",
+    "find_previous",
+    "find_recipes",
+    "judge",
+    "local_fingerprint_hash",
+    "local_tuner",
+    "nightly_study_name",
+    "parse_night",
+    "parse_threshold",
+    "record",
+    "render_markdown",
+    "run_recipe",
+    "seconds_until",
+    "warm_start_configs",
+    "write_report",
+]

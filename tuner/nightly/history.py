@@ -1,0 +1,280 @@
+"""One recipe's night: find the night to compare with, warm-start from it, judge tonight's best,
+and keep one row per recipe per night in nightly_results (re-running a night replaces its row)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tuner.recipe import Recipe
+
+# Verdicts, as stored in nightly_results.verdict and the JSON report ("regression" is the word the
+# dashboard's history page looks for).
+IMPROVED, UNCHANGED, REGRESSED, FIRST_RUN, FAILED = (
+    "improved",
+    "unchanged",
+    "regression",
+    "first_run",
+    "failed",
+)
+VERDICTS = (IMPROVED, UNCHANGED, REGRESSED, FIRST_RUN, FAILED)
+DEFAULT_TOP_K = 3
+
+
+@dataclass
+class Previous:
+    """The history row tonight is compared with."""
+
+    night: dt.date
+    best_tokens_per_s: float
+    config: dict[str, Any] | None
+    fingerprint_hash: str
+    study_name: str | None
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Tonight:
+    """What tonight's tuning measured (locally or through the service)."""
+
+    best_tokens_per_s: float | None
+    config: dict[str, Any] | None
+    fingerprint: dict[str, Any]
+    fingerprint_hash: str
+    study_name: str | None = None
+    trials: int = 0
+    # Last night's best config, measured again tonight: the fair like-for-like comparison.
+    remeasured_previous_tokens_per_s: float | None = None
+    warm_started: int = 0
+    job_id: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Outcome:
+    """One recipe's line in the report and its row in nightly_results."""
+
+    recipe: str
+    source: str
+    night: dt.date
+    verdict: str
+    best_tokens_per_s: float | None = None
+    config: dict[str, Any] | None = None
+    previous_night: dt.date | None = None
+    previous_best_tokens_per_s: float | None = None
+    previous_config: dict[str, Any] | None = None
+    change_pct: float | None = None
+    remeasured_previous_tokens_per_s: float | None = None
+    fingerprint_hash: str | None = None
+    previous_fingerprint_hash: str | None = None
+    fingerprint_changed: bool = False
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    # {key: [previous, tonight]} for what differs, e.g. {"torch": ["2.12.0", "2.13.0"]}
+    fingerprint_changes: dict[str, list[Any]] = field(default_factory=dict)
+    study_name: str | None = None
+    job_id: int | None = None
+    trials: int = 0
+    warm_started: int = 0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for key in ("night", "previous_night"):
+            d[key] = d[key].isoformat() if d[key] else None
+        return d
+
+
+def judge(new: float | None, previous: float | None, threshold: float) -> tuple[str, float | None]:
+    """(verdict, change in percent). Changes within +-threshold are noise: unchanged."""
+    if new is None:
+        return FAILED, None
+    if previous is None:
+        return FIRST_RUN, None
+    change = (new - previous) / previous * 100
+    if change < -threshold * 100:
+        return REGRESSED, change
+    if change > threshold * 100:
+        return IMPROVED, change
+    return UNCHANGED, change
+
+
+def find_previous(
+    recipe_name: str, night: dt.date, fingerprint_hash: str, url: str | None
+) -> Previous | None:
+    """The latest earlier night with a measured best, preferring the same fingerprint; a different
+    fingerprint is only used when this one has no history (the report then says so)."""
+    from sqlalchemy import select
+
+    from tuner.db import NightlyResult, session_scope
+
+    with session_scope(url) as session:
+        rows = session.scalars(
+            select(NightlyResult)
+            .where(NightlyResult.recipe_name == recipe_name, NightlyResult.night < night)
+            .where(NightlyResult.best_tokens_per_s.is_not(None))
+            .order_by(NightlyResult.night.desc())
+        ).all()
+        same = [r for r in rows if r.fingerprint_hash == fingerprint_hash]
+        row = (same or rows or [None])[0]
+        if row is None:
+            return None
+        return Previous(
+            row.night,
+            row.best_tokens_per_s,
+            row.config,
+            row.fingerprint_hash,
+            row.study_name,
+            row.fingerprint or {},
+        )
+
+
+def record(outcome: Outcome, url: str | None) -> None:
+    """Insert or update the (recipe, night) row: re-running a night replaces its result."""
+    from sqlalchemy import select
+
+    from tuner.db import NightlyResult, session_scope, utcnow
+
+    values = {
+        "fingerprint_hash": outcome.fingerprint_hash or "",
+        "fingerprint": outcome.fingerprint,
+        "best_tokens_per_s": outcome.best_tokens_per_s,
+        "previous_best_tokens_per_s": outcome.previous_best_tokens_per_s,
+        "change_pct": outcome.change_pct,
+        "verdict": outcome.verdict,
+        "config": outcome.config,
+        "study_name": outcome.study_name,
+    }
+    with session_scope(url) as session:
+        row = session.scalar(
+            select(NightlyResult).where(
+                NightlyResult.recipe_name == outcome.recipe, NightlyResult.night == outcome.night
+            )
+        )
+        if row is None:
+            session.add(NightlyResult(recipe_name=outcome.recipe, night=outcome.night, **values))
+        else:
+            for key, value in values.items():
+                setattr(row, key, value)
+            row.created_at = utcnow()
+
+
+def warm_start_configs(
+    previous: Previous | None, storage_url: str | None, top_k: int
+) -> list[dict[str, Any]]:
+    """Last night's best first (so it is re-measured tonight), then its runners-up, de-duplicated."""
+    if previous is None or previous.config is None:
+        return []
+    configs = [previous.config]
+    if previous.study_name and top_k > 1:
+        configs += _top_configs(previous.study_name, storage_url, top_k)
+    return _dedupe(configs)[:top_k]
+
+
+def _top_configs(study_name: str, storage_url: str | None, k: int) -> list[dict[str, Any]]:
+    import optuna
+
+    from tuner.space import config_from_params
+    from tuner.storage import get_storage
+
+    try:
+        study = optuna.load_study(study_name=study_name, storage=get_storage(storage_url))
+    except KeyError:  # the study was deleted; the best config alone still warm-starts tonight
+        return []
+    ok = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        if t.user_attrs.get("tokens_per_s")
+    ]
+    ok.sort(key=lambda t: t.user_attrs["tokens_per_s"], reverse=True)
+    return [config_from_params(t.params).active_params() for t in ok[:k]]
+
+
+def _dedupe(configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    from tuner.config import Config, ConfigError
+
+    seen, out = set(), []
+    for c in configs:
+        try:
+            key = Config.from_params(c).key()
+        except (ConfigError, TypeError):
+            continue  # a knob renamed since last night: skip that config, not the whole night
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+# A tuner: (recipe, warm-start configs) -> what tonight measured. Local and REST versions exist.
+Tune = Callable[[Recipe, list[dict[str, Any]]], Tonight]
+
+
+def run_recipe(
+    recipe: Recipe,
+    source: str,
+    *,
+    night: dt.date,
+    threshold: float,
+    tune: Tune,
+    expected_fingerprint_hash: str | None = None,
+    db_url: str | None = None,
+    top_k: int = DEFAULT_TOP_K,
+) -> Outcome:
+    """Tune one recipe tonight, judge it and record it. A crash becomes a `failed` verdict.
+
+    `expected_fingerprint_hash` picks the warm start when the history holds several fingerprints;
+    the comparison uses the fingerprint tonight's trials actually ran on.
+    """
+    warm_from = find_previous(recipe.name, night, expected_fingerprint_hash or "", db_url)
+    enqueue = warm_start_configs(warm_from, db_url, top_k)
+    try:
+        tonight = tune(recipe, enqueue)
+    except Exception as err:  # noqa: BLE001 - one recipe failing must not stop the others
+        tonight = Tonight(
+            None, None, {}, expected_fingerprint_hash or "", error=f"{type(err).__name__}: {err}"
+        )
+    previous = find_previous(recipe.name, night, tonight.fingerprint_hash, db_url)
+    verdict, change = judge(
+        tonight.best_tokens_per_s, previous.best_tokens_per_s if previous else None, threshold
+    )
+    outcome = Outcome(
+        recipe=recipe.name,
+        source=source,
+        night=night,
+        verdict=verdict,
+        best_tokens_per_s=tonight.best_tokens_per_s,
+        config=tonight.config,
+        change_pct=change,
+        remeasured_previous_tokens_per_s=tonight.remeasured_previous_tokens_per_s,
+        fingerprint_hash=tonight.fingerprint_hash,
+        fingerprint=tonight.fingerprint,
+        study_name=tonight.study_name,
+        job_id=tonight.job_id,
+        trials=tonight.trials,
+        warm_started=tonight.warm_started,
+        error=tonight.error,
+    )
+    if previous is not None:
+        outcome.previous_night = previous.night
+        outcome.previous_best_tokens_per_s = previous.best_tokens_per_s
+        outcome.previous_config = previous.config
+        outcome.previous_fingerprint_hash = previous.fingerprint_hash
+        outcome.fingerprint_changed = bool(tonight.fingerprint_hash) and (
+            previous.fingerprint_hash != tonight.fingerprint_hash
+        )
+        if outcome.fingerprint_changed:
+            keys = sorted(set(previous.fingerprint) | set(tonight.fingerprint))
+            outcome.fingerprint_changes = {
+                k: [previous.fingerprint.get(k), tonight.fingerprint.get(k)]
+                for k in keys
+                if previous.fingerprint.get(k) != tonight.fingerprint.get(k)
+            }
+    record(outcome, db_url)
+    return outcome
+
+
+def exit_code(outcomes: list[Outcome]) -> int:
+    """1 when any recipe regressed beyond the threshold or failed (cron mail, CI), else 0."""
+    return 1 if any(o.verdict in (REGRESSED, FAILED) for o in outcomes) else 0

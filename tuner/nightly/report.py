@@ -1,0 +1,90 @@
+"""The nightly report: Markdown for people (a summary table, then each recipe's configs side by
+side) and JSON for machines, one pair of files per night."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from tuner.nightly.history import FAILED, REGRESSED, VERDICTS, Outcome, exit_code
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:+.1f}%"
+
+
+def render_markdown(outcomes: list[Outcome], night: dt.date, threshold: float) -> str:
+    """The report for people: a summary table, then each recipe's configs side by side."""
+    counts = {v: sum(o.verdict == v for o in outcomes) for v in VERDICTS}
+    summary = ", ".join(f"{n} {v.replace('_', ' ')}" for v, n in counts.items() if n)
+    lines = [
+        f"# Nightly tuning report, {night.isoformat()}",
+        "",
+        f"{len(outcomes)} recipe{'' if len(outcomes) == 1 else 's'}: {summary}. Exit code {exit_code(outcomes)}: a drop of more than "
+        f"{threshold * 100:g}% in the best tokens/s, or a failed recipe, fails the run.",
+        "",
+        "| recipe | verdict | previous best tokens/s | new best tokens/s | change "
+        "| previous best config, re-measured tonight | fingerprint |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for o in outcomes:
+        verdict = o.verdict.replace("_", " ")
+        if o.verdict in (REGRESSED, FAILED):
+            verdict = f"**{verdict.upper()}**"
+        prev = _rate(o.previous_best_tokens_per_s)
+        if o.previous_night:
+            prev += f" ({o.previous_night.isoformat()})"
+        fp = f"changed ({o.fingerprint_hash})" if o.fingerprint_changed else (o.fingerprint_hash or "—")
+        lines.append(
+            f"| {o.recipe} | {verdict} | {prev} | {_rate(o.best_tokens_per_s)} | {_pct(o.change_pct)} "
+            f"| {_rate(o.remeasured_previous_tokens_per_s)} | {fp} |"
+        )
+    for o in outcomes:
+        lines += ["", f"## {o.recipe}: {o.verdict.replace('_', ' ')}", ""]
+        where = f"job {o.job_id}, " if o.job_id is not None else ""
+        lines.append(
+            f"Recipe `{o.source}`; {where}study `{o.study_name or '—'}`; {o.trials} trials, "
+            f"{o.warm_started} of them warm-started from the previous best configs."
+        )
+        if o.error:
+            lines += ["", f"Error: `{o.error}`"]
+        if o.fingerprint_changed:
+            changes = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in o.fingerprint_changes.items())
+            lines += [
+                "",
+                f"The hardware/software fingerprint changed since {o.previous_night} "
+                f"({o.previous_fingerprint_hash} -> {o.fingerprint_hash}; {changes or 'details unknown'}); "
+                "compared anyway.",
+            ]
+        if o.config or o.previous_config:
+            lines += ["", "| knob | previous best | new best |", "| --- | --- | --- |"]
+            prev_cfg, new_cfg = o.previous_config or {}, o.config or {}
+            for knob in dict.fromkeys([*prev_cfg, *new_cfg]):
+                a, b = prev_cfg.get(knob, "—"), new_cfg.get(knob, "—")
+                mark = "**" if prev_cfg and new_cfg and a != b else ""  # what changed since last night
+                lines.append(f"| {knob} | {a} | {mark}{b}{mark} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(
+    outcomes: list[Outcome], directory: Path, night: dt.date, threshold: float
+) -> tuple[Path, Path]:
+    """Write nightly-<night>.md and nightly-<night>.json into `directory`; returns both paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    md = directory / f"nightly-{night.isoformat()}.md"
+    js = directory / f"nightly-{night.isoformat()}.json"
+    md.write_text(render_markdown(outcomes, night, threshold))
+    doc = {
+        "night": night.isoformat(),
+        "threshold_pct": threshold * 100,
+        "exit_code": exit_code(outcomes),
+        "verdicts": {v: [o.recipe for o in outcomes if o.verdict == v] for v in VERDICTS},
+        "recipes": [o.to_dict() for o in outcomes],
+    }
+    js.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return md, js

@@ -1,0 +1,241 @@
+"""How tonight's trials run: locally (this machine or its Ray cluster) through `run_study`, or
+through the REST service as a job. Both return a `Tonight` for `history.run_recipe` to judge."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+from tuner.nightly.history import Tonight, Tune
+from tuner.recipe import Recipe
+
+
+def local_fingerprint_hash(recipe: Recipe) -> str:
+    from tuner.devices import resolve_family
+    from tuner.fingerprint import fingerprint, fingerprint_hash
+
+    return fingerprint_hash(fingerprint(resolve_family(recipe.hardware.device)))
+
+
+def nightly_study_name(recipe: Recipe, fp: dict[str, Any], night: dt.date) -> str:
+    """Tonight's own study: sharing the recipe's main study would let last night's numbers win
+    again tonight and hide a regression; the warm start carries the knowledge over instead."""
+    from tuner.study import study_name
+
+    return f"{study_name(recipe, fp)}-nightly-{night.isoformat()}"
+
+
+def local_tuner(
+    *,
+    night: dt.date,
+    trials: int,
+    executor: str = "local",
+    storage_url: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    remeasure_top: int = 1,
+) -> Tune:
+    """Tune on this machine (or its Ray cluster) with `tuner.study.run_study`."""
+
+    def tune(recipe: Recipe, enqueue: list[dict[str, Any]]) -> Tonight:
+        from tuner.devices import resolve_family
+        from tuner.executors import make_executor
+        from tuner.fingerprint import fingerprint, fingerprint_hash
+        from tuner.study import run_study
+
+        fp = fingerprint(resolve_family(recipe.hardware.device))
+        name = nightly_study_name(recipe, fp, night)
+        queued = _enqueue_first(recipe, name, enqueue, storage_url)
+        with make_executor(executor) as ex:
+            summary = run_study(
+                recipe,
+                storage_url=storage_url,
+                executor=ex,
+                trials=trials,
+                study_name=name,
+                remeasure_top=remeasure_top,
+                progress=_study_progress(progress),
+            )
+        best = summary.best
+        return Tonight(
+            best_tokens_per_s=best["tokens_per_s"] if best else None,
+            config=best["config"] if best else None,
+            fingerprint=fp,
+            fingerprint_hash=fingerprint_hash(fp),
+            study_name=summary.study_name,
+            trials=sum(n for status, n in summary.counts.items() if status not in ("waiting", "running")),
+            remeasured_previous_tokens_per_s=_measured(summary.study_name, storage_url, enqueue[:1]),
+            warm_started=queued,
+            error=None if best else f"no trial succeeded ({_counts(summary.counts)})",
+        )
+
+    return tune
+
+
+def _enqueue_first(recipe: Recipe, name: str, configs: list[dict[str, Any]], storage_url: str | None) -> int:
+    """Queue last night's configs before run_study opens the study: it queues its own baseline and
+    warm start first, and a small nightly budget could run out before reaching ours. Optuna runs
+    waiting trials in order, so last night's best is tonight's first trial (role previous_best)."""
+    if not configs:
+        return 0
+    import optuna
+
+    from tuner.space import config_from_params, trial_params
+    from tuner.storage import get_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    directions = ["maximize", "minimize"] if recipe.search.objective == "throughput_memory" else ["maximize"]
+    study = optuna.create_study(
+        study_name=name, storage=get_storage(storage_url), directions=directions, load_if_exists=True
+    )
+    for i, config in enumerate(configs):
+        role = "previous_best" if i == 0 else "previous_top"
+        params = trial_params(config_from_params(config))
+        study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=True)
+    return len(configs)
+
+
+def _study_progress(progress: Callable[[int, int], None] | None):
+    if progress is None:
+        return None
+
+    def on_event(event: dict[str, Any]) -> None:
+        if "done" in event:
+            progress(event["done"], event.get("total") or 0)
+
+    return on_event
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {status}" for status, n in counts.items()) or "no trials ran"
+
+
+def _measured(study_name: str, storage_url: str | None, configs: list[dict[str, Any]]) -> float | None:
+    """Tonight's tokens/s of the first of `configs` (last night's best), if it ran."""
+    if not configs:
+        return None
+    import optuna
+
+    from tuner.space import config_from_params
+    from tuner.storage import get_storage
+
+    want = config_from_params(configs[0]).key()
+    study = optuna.load_study(study_name=study_name, storage=get_storage(storage_url))
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        if t.user_attrs.get("tokens_per_s") and config_from_params(t.params).key() == want:
+            return t.user_attrs["tokens_per_s"]
+    return None
+
+
+class ServiceError(RuntimeError):
+    """The tuning service refused a request or could not be reached."""
+
+
+def api_tuner(
+    base_url: str,
+    token: str,
+    *,
+    night: dt.date,
+    trials: int,
+    storage_url: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    poll_s: float = 2.0,
+) -> Tune:
+    """Tune through the REST service: submit the recipe with tonight's budget, follow the job.
+
+    The job is named `<recipe>@nightly-<night>`, and the service keys its study by that name, so
+    tonight's best is measured tonight (a study shared across nights would keep answering with an
+    old measurement). The job API takes a recipe and nothing else, so tonight's warm start is the
+    service's own: the best configs of the most similar earlier study on the same fingerprint.
+    """
+
+    def tune(recipe: Recipe, enqueue: list[dict[str, Any]]) -> Tonight:
+        import time
+
+        import httpx
+
+        doc = recipe.to_dict()
+        doc["name"] = f"{recipe.name}@nightly-{night.isoformat()}"
+        doc["search"]["trials"] = trials
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=30) as client:
+            job = _call(client, "POST", "/v1/jobs", json=doc)
+            while job["state"] not in ("succeeded", "failed", "cancelled"):
+                if progress:
+                    progress(job["trials_done"], job["trials_total"])
+                time.sleep(poll_s)
+                job = _call(client, "GET", f"/v1/jobs/{job['id']}")
+            fp = _study_fingerprint(job.get("study_name"), storage_url)
+            fp_hash = _hash(fp) or (job.get("study_name") or "").removesuffix("-pareto").rsplit("-", 1)[-1]
+            tonight = Tonight(None, None, fp, fp_hash, study_name=job.get("study_name"), job_id=job["id"])
+            tonight.trials = job["trials_done"]
+            if job["state"] != "succeeded":
+                tonight.error = job.get("error") or f"job {job['id']} {job['state']}"
+                return tonight
+            best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")
+            tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
+            if enqueue:
+                ok = _call(
+                    client, "GET", f"/v1/jobs/{job['id']}/trials", params={"status": "ok", "limit": 500}
+                )
+                tonight.remeasured_previous_tokens_per_s = _tokens_of(enqueue[0], ok["items"])
+            return tonight
+
+    return tune
+
+
+def _tokens_of(config: dict[str, Any], trials: list[dict[str, Any]]) -> float | None:
+    """tokens/s of the trial (if any) that measured `config`."""
+    from tuner.space import config_from_params
+
+    want = config_from_params(config).key()
+    for t in trials:
+        try:
+            if config_from_params(t["config"]).key() == want:
+                return t["tokens_per_s"]
+        except ValueError:
+            continue
+    return None
+
+
+def _call(client: Any, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    import httpx
+
+    try:
+        resp = client.request(method, path, **kwargs)
+    except httpx.HTTPError as err:
+        raise ServiceError(f"--api {client.base_url}: cannot reach the service ({err})") from None
+    if resp.status_code >= 400:
+        try:
+            body = resp.json()
+            detail = body.get("detail", "")
+            fields = "; ".join(f"{e['field']}: {e['message']}" for e in body.get("errors", []))
+        except ValueError:
+            detail, fields = resp.text[:200], ""
+        hint = " (check --token / $TUNER_API_TOKEN)" if resp.status_code in (401, 403) else ""
+        raise ServiceError(f"{method} {path}: HTTP {resp.status_code} {detail}{hint} {fields}".strip())
+    return resp.json()
+
+
+def _study_fingerprint(study_name: str | None, storage_url: str | None) -> dict[str, Any]:
+    """The fingerprint the service's worker stored with its study (same database), or {}."""
+    if not study_name:
+        return {}
+    import optuna
+
+    from tuner.storage import get_storage
+
+    try:
+        study = optuna.load_study(study_name=study_name, storage=get_storage(storage_url))
+    except (KeyError, ValueError):
+        return {}
+    fp = study.user_attrs.get("fingerprint")
+    return fp if isinstance(fp, dict) else {}
+
+
+def _hash(fp: dict[str, Any]) -> str:
+    if not fp:
+        return ""
+    from tuner.fingerprint import fingerprint_hash
+
+    return fingerprint_hash(fp)
