@@ -66,7 +66,7 @@ def db(tmp_path_factory):
     upgrade(url)
     small = seed_job(url, 300, running=1, state="running", seed=1)
     large = seed_job(url, 1500, seed=2)
-    other = seed_job(url, 300, seed=3, name="gpt-tiny-b")
+    other = seed_job(url, 300, seed=3, name="gpt-tiny-b", device="NVIDIA H100")
     with session_scope(url) as s:
         token = create_token(s, "dash")
     return {
@@ -254,6 +254,8 @@ def test_compare_two_trials_from_different_jobs(client, db):
     if a.tokens_per_s and b.tokens_per_s:
         assert tps["change"] == pytest.approx((b.tokens_per_s - a.tokens_per_s) / a.tokens_per_s)
     assert data["a"]["job_id"] == db["small"] and data["b"]["recipe_name"] == "gpt-tiny-b"
+    # What ran each trial comes from its study's fingerprint (the same recipe on two device types).
+    assert (data["a"]["hardware"]["device"], data["b"]["hardware"]["device"]) == ("seeded CPU", "NVIDIA H100")
     bad = client.get("/ui/api/compare", params={"a": "1-2", "b": "1:2"}, headers=db["auth"])
     assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "a"
     missing = client.get(

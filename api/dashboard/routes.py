@@ -171,7 +171,8 @@ def _ref(session, field: str, ref: str):
     study = _study(session, job)
     if study is None:
         raise ApiError(404, f"job {job.id} has no trials yet", [(field, "no trials")])
-    hardware = dict((job.recipe or {}).get("hardware", {}))
+    # What ran it: the study's fingerprint (device model, torch, driver), else the recipe's request.
+    hardware = study.fingerprint or dict((job.recipe or {}).get("hardware", {}))
     return job, table.find(study, int(m.group(2))), hardware
 
 

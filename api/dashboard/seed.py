@@ -79,7 +79,15 @@ def _measure(config: Any, rng: random.Random, base: float) -> dict[str, Any]:
     }
 
 
-def seed_study(url: str, study_name: str, n_trials: int, *, seed: int = 0, running: int = 0) -> float | None:
+def seed_study(
+    url: str,
+    study_name: str,
+    n_trials: int,
+    *,
+    seed: int = 0,
+    running: int = 0,
+    fingerprint: dict[str, Any] | None = None,
+) -> float | None:
     """Create `study_name` with `n_trials` finished trials (plus `running` unfinished ones) in bulk.
 
     Returns the best tokens/s. Optuna creates the study (and its schema); rows go in with one
@@ -104,7 +112,11 @@ def seed_study(url: str, study_name: str, n_trials: int, *, seed: int = 0, runni
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = get_storage(url)
-    optuna.create_study(storage=storage, study_name=study_name, direction="maximize", load_if_exists=True)
+    study = optuna.create_study(
+        storage=storage, study_name=study_name, direction="maximize", load_if_exists=True
+    )
+    if fingerprint is not None:
+        study.set_user_attr("fingerprint", fingerprint)  # as tuner.study records what ran the trials
     sid = storage.get_study_id_from_name(study_name)
     rng = random.Random(seed)
     space, recipe, device = load_space("cpu"), recipe_from_dict(TINY), describe("cpu")
@@ -178,6 +190,7 @@ def seed_job(
     state: str = "succeeded",
     seed: int = 0,
     running: int = 0,
+    device: str = "seeded CPU",
 ) -> int:
     """A job row whose study holds `n_trials` seeded trials; returns the job id."""
     from tuner.recipe import recipe_from_dict
@@ -196,7 +209,8 @@ def seed_job(
         s.flush()
         job.study_name = f"{name}-{recipe.hash()}-seed{seed}-job{job.id}"
         job_id, study_name = job.id, job.study_name
-    best = seed_study(url, study_name, n_trials, seed=seed, running=running)
+    fingerprint = {"family": "cpu", "device": device, "device_count": 2, "torch": "2.13.0"}
+    best = seed_study(url, study_name, n_trials, seed=seed, running=running, fingerprint=fingerprint)
     baseline = 20000.0
     with session_scope(url) as s:
         job = s.get(Job, job_id)

@@ -11,7 +11,7 @@ from functools import lru_cache
 from typing import Any
 
 from optuna.distributions import CategoricalDistribution, json_to_distribution
-from sqlalchemy import Select, func, select
+from sqlalchemy import Column, Integer, MetaData, Select, String, Table, Text, func, select
 from sqlalchemy.orm import Session
 
 # Optuna owns these tables; api.trials declares the columns both readers use.
@@ -23,6 +23,15 @@ from api.trials import values as values_t
 
 # Optuna's own storage API builds a FrozenTrial per trial (0.4 to 1 ms each: 4 to 10 s for a
 # 10,000-trial study). The dashboard needs a handful of columns, so it reads those in bulk.
+
+# Not declared in api.trials: the study's own attributes (tuner.study stores the fingerprint there).
+study_attrs_t = Table(
+    "study_user_attributes",
+    MetaData(),
+    Column("study_id", Integer),
+    Column("key", String),
+    Column("value_json", Text),
+)
 
 FAILED = ("oom", "error", "timeout")
 # Step-time breakdown categories, in stacking order (the `breakdown` user attr of a profiled trial).
@@ -97,6 +106,7 @@ class StudyRows:
     version: tuple[Any, ...]
     rows: list[TrialRow]
     distributions: dict[str, Any] = field(default_factory=dict)  # param name -> Optuna distribution
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # device, torch, driver... of the study
     derived: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -230,7 +240,18 @@ def load_study_rows(session: Session, study_name: str) -> StudyRows | None:
         if cached is not None and cached.version == version:
             return cached
         rows, distributions = _read(session, sid)
-        fresh = StudyRows(study_name=study_name, version=version, rows=rows, distributions=distributions)
+        fingerprint = session.scalar(
+            select(study_attrs_t.c.value_json).where(
+                study_attrs_t.c.study_id == sid, study_attrs_t.c.key == "fingerprint"
+            )
+        )
+        fresh = StudyRows(
+            study_name=study_name,
+            version=version,
+            rows=rows,
+            distributions=distributions,
+            fingerprint=_attr(fingerprint) if fingerprint else {},
+        )
         with _cache_lock:
             _cache[key] = fresh
         return fresh

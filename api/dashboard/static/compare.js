@@ -19,7 +19,10 @@ function change(c, name) {
 }
 
 function who(side) {
-  return `#${side.trial.number} of job ${side.job_id} (${side.recipe_name}, ${side.hardware.device || "?"}×${side.hardware.devices || "?"})`;
+  const hw = side.hardware;
+  const count = hw.device_count ?? hw.devices ?? "?";
+  const torch = hw.torch ? `, torch ${hw.torch}` : "";
+  return `#${side.trial.number} of job ${side.job_id} (${side.recipe_name}, ${hw.device || "?"}×${count}${torch})`;
 }
 
 async function show(a, b) {
