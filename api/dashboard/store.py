@@ -89,7 +89,8 @@ class TrialRow:
             "estimated_peak_mem_bytes": self.attrs.get("estimated_peak_mem_bytes"),
             "step_time_s": self.attrs.get("step_time_s"),
             "duration_s": self.duration_s,
-            "error": self.attrs.get("error"),
+            # Why it failed or was pruned (estimated OOM, infeasible, duplicate): the status's tooltip.
+            "error": self.attrs.get("error") or self.attrs.get("pruned_reason"),
             "params": self.params,
         }
 

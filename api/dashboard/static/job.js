@@ -14,7 +14,7 @@ let overview = null;
 
 const COLUMNS = [
   ["number", "#", (t) => el("a", { href: `/ui/compare?a=${jobId}:${t.number}` }, t.number)],
-  ["status", "Status", (t) => badge(t.status)],
+  ["status", "Status", (t) => { const b = badge(t.status); if (t.error) b.title = t.error; return b; }],
   ["tokens_per_s", "tokens/s", (t) => num(t.tokens_per_s)],
   ["mfu", "MFU", (t) => pct(t.mfu)],
   ["peak_mem_allocated_bytes", "Peak mem", (t) => bytes(t.peak_mem_allocated_bytes)],
