@@ -122,7 +122,8 @@ def nightly(
         raise typer.Exit(one_pass(tonight))
     while True:  # the compose `nightly` service: a cron without cron
         wait = nl.seconds_until(daily_at, dt.datetime.now())
-        err_console.print(f"next nightly pass at {daily_at} (in {wait / 3600:.1f} h)")
+        hours, minutes = divmod(round(wait / 60), 60)
+        err_console.print(f"next nightly pass at {daily_at} (in {hours} h {minutes} min)")
         time.sleep(wait)
         try:
             found = nl.find_recipes(recipes)  # recipes may be edited between nights
