@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tuner.build import _speed_line, build_plan, collect_kernels
+from tuner.build import _speed_line, build_plan, collect_kernels, split_fused
 from tuner.config import Config
 from tuner.recipe import recipe_from_dict
 
@@ -41,11 +41,13 @@ def triton_poi_fused_relu_1(in_ptr0, xnumel, XBLOCK: tl.constexpr):
 async_compile.wait(globals())
 class Runner:
     def call(self, args):
-        # Topologically Sorted Source Nodes: [x, layer_norm], Original ATen: [aten.add, aten.native_layer_norm]
         buf0 = empty_strided_cpu((4, 64), (64, 1), torch.float32)
         cpp_fused_add_native_layer_norm_0(arg0_1, buf0)
+        buf1 = empty_strided_cpu((4, 64), (64, 1), torch.float32)
+        # Topologically Sorted Source Nodes: [x, linear], Original ATen: [aten.t, aten.mm]
+        extern_kernels.mm(buf0, arg1_1, out=buf1)
         # Topologically Sorted Source Nodes: [relu], Original ATen: [aten.relu]
-        triton_poi_fused_relu_1.run(buf0, 256, stream=stream0)
+        triton_poi_fused_relu_1.run(buf1, 256, stream=stream0)
 """
 
 
@@ -81,15 +83,25 @@ def test_kernels_are_split_out_and_indexed_with_their_fused_ops(tmp_path):
     assert set(by_name) == {"cpp_fused_add_native_layer_norm_0", "triton_poi_fused_relu_1"}
     cpp = by_name["cpp_fused_add_native_layer_norm_0"]
     assert cpp["language"] == "cpp" and cpp["fused"] == "add_native_layer_norm"
-    assert cpp["aten_ops"] == ["aten.add", "aten.native_layer_norm"]
-    assert cpp["source_nodes"] == ["x", "layer_norm"]
+    # No origin comment above a C++ kernel call (the one below it belongs to the mm): the ops are
+    # read off the kernel's name.
+    assert cpp["aten_ops"] == ["aten.add", "aten.native_layer_norm"] and cpp["source_nodes"] == []
     source = (tmp_path / "stage" / cpp["file"]).read_text()
     assert source.startswith("#include") and 'extern "C"' in source and "'''" not in source
     tri = by_name["triton_poi_fused_relu_1"]
-    assert tri["language"] == "triton" and tri["aten_ops"] == ["aten.relu"]
+    assert (
+        tri["language"] == "triton" and tri["aten_ops"] == ["aten.relu"] and tri["source_nodes"] == ["relu"]
+    )
     assert "@triton.jit" in (tmp_path / "stage" / tri["file"]).read_text()
     assert cpp["file"].startswith("kernels/rank0/0_forward-")
     json.dumps(index)  # the index is written as JSON as is
+
+
+def test_fused_names_split_into_operators():
+    assert split_fused("_unsafe_view_gelu_gelu_backward_view") == [
+        "aten._unsafe_view", "aten.gelu", "aten.gelu_backward", "aten.view"
+    ]  # fmt: skip
+    assert split_fused("add_not_an_op") == ["aten.add", "not", "an", "op"]
 
 
 def test_comparison_says_faster_or_slower_with_both_numbers():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import json
 import os
 import re
@@ -38,7 +39,7 @@ _KERNEL_DEF = re.compile(
 _ORIGIN = re.compile(
     r"# Topologically Sorted Source Nodes: \[(?P<nodes>.*?)\], Original ATen: \[(?P<aten>.*?)\]"
 )
-_CALL = re.compile(r"^\s*(?P<name>\w+)(?:\.run)?\(")
+_CALL = re.compile(r"^\s*(?P<name>\w+)(?:\.\w+)*\(")
 
 Progress = Callable[[int, int, str], None]
 
@@ -200,8 +201,43 @@ def _fused_ops(name: str) -> str:
     return re.sub(r"_\d+$", "", rest)
 
 
-def _origins(code: str) -> dict[str, dict[str, list[str]]]:
-    """Kernel name -> the source nodes and ATen ops of the comment above its call site."""
+@functools.lru_cache(maxsize=1)
+def _op_names() -> dict[str, str]:
+    """{op name: namespace} for the ATen and prims operators Inductor names kernels after."""
+    import torch
+
+    out: dict[str, str] = {}
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = qualified.partition("::")
+        name = rest.split(".")[0]
+        # Inductor names kernels after ATen ops; prims only fill in names ATen lacks (iota).
+        if namespace == "aten" or (namespace == "prims" and name not in out):
+            out[name] = namespace
+    return out
+
+
+def split_fused(fused: str) -> list[str]:
+    """The operators in a fused kernel's name, taking the longest known op name at each point:
+    `add_native_layer_norm` -> [aten.add, aten.native_layer_norm]. Unknown words stay as they are."""
+    known, ops, i = _op_names(), [], 0
+    while i < len(fused):
+        ends = [j for j in range(len(fused), i, -1) if fused[i:j] in known and fused[j : j + 1] in ("", "_")]
+        if ends:
+            j = ends[0]
+            ops.append(f"{known[fused[i:j]]}.{fused[i:j]}")
+        else:
+            j = fused.find("_", i + 1) if "_" in fused[i + 1 :] else len(fused)
+            ops.append(fused[i:j])
+        i = j + 1
+    return ops
+
+
+def _origins(code: str, kernels: set[str]) -> dict[str, dict[str, list[str]]]:
+    """Kernel name -> source nodes and ATen ops, from an origin comment right above its call.
+
+    Inductor writes such comments above Triton kernel calls and extern calls (mm, bmm); a comment
+    belongs to the first call after it, so one above an extern call is not given to a kernel.
+    """
     out: dict[str, dict[str, list[str]]] = {}
     last: dict[str, list[str]] | None = None
     for line in code.splitlines():
@@ -211,8 +247,13 @@ def _origins(code: str) -> dict[str, dict[str, list[str]]]:
             last = {"source_nodes": split(m["nodes"]), "aten_ops": split(m["aten"])}
             continue
         call = _CALL.match(line)
-        if call and last is not None and call["name"] not in out:
-            out[call["name"]] = last
+        if call is None or last is None:
+            continue
+        if call["name"] in kernels:
+            out.setdefault(call["name"], last)
+            last = None
+        elif call["name"] in ("extern_kernels", "torch"):
+            last = None
     return out
 
 
@@ -229,8 +270,9 @@ def collect_kernels(inductor_dir: Path, dest: Path, rank: int) -> list[dict[str,
         gdir = dest / f"{graph}-{module.stem[:8]}"
         gdir.mkdir(parents=True, exist_ok=True)
         (gdir / "module.py").write_text(code)  # the whole generated module, with origin comments
-        origins = _origins(code)
-        for m in _KERNEL_DEF.finditer(code):
+        defs = list(_KERNEL_DEF.finditer(code))
+        origins = _origins(code, {m["name"] for m in defs})
+        for m in defs:
             kind = m["kind"]
             lang = "cpp" if kind.startswith("cpp") else "triton" if kind == "triton" else kind
             ext = {"cpp": ".cpp", "triton": ".py"}.get(lang, ".txt")
@@ -245,7 +287,8 @@ def collect_kernels(inductor_dir: Path, dest: Path, rank: int) -> list[dict[str,
                     "language": lang,
                     "file": path.relative_to(dest.parent.parent).as_posix(),
                     "fused": _fused_ops(m["name"]),
-                    "aten_ops": origin.get("aten_ops", []),
+                    # The origin comment when Inductor wrote one (Triton), else read off the name.
+                    "aten_ops": origin.get("aten_ops") or split_fused(_fused_ops(m["name"])),
                     "source_nodes": origin.get("source_nodes", []),
                 }
             )
@@ -482,7 +525,7 @@ def build_trial(
     )
     say(4, 5, "archiving and registering the build")
     path, digest, size = store.put(study, number, stage)
-    record.path, record.sha256, record.size_bytes = str(path), digest, size
+    record.path, record.sha256, record.size_bytes = str(path.resolve()), digest, size
     lines.append(f"archive: {path} ({size / 2**20:.1f} MiB, sha256 {digest[:12]})")
     try:
         record.build_id = _register(url, record)

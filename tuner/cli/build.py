@@ -110,10 +110,16 @@ def _print_record(record) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from tuner.config import Config
+
     table = Table(title=f"build of trial {record.trial_number} ({record.study_name})", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    config = " ".join(f"{k}={v}" for k, v in record.config.items())
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # paths and checksums are copied whole, never cut short
+    # The parallel split and every knob away from its default: what makes this config this one.
+    plain = Config().to_dict()
+    config = " ".join(
+        f"{k}={v}" for k, v in record.config.items() if k in ("dp", "tp", "pp") or plain.get(k) != v
+    )
     eager, compiled = record.eager_tokens_per_s, record.compiled_tokens_per_s
     speed = f"{compiled / eager:.2f}x" if eager and compiled else "-"
     for name, value in [
