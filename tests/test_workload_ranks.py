@@ -186,7 +186,8 @@ def test_ddp_matches_one_process_with_its_bucket_and_cores(launch, single):
 
 
 def test_tp_halves_each_ranks_attention_and_mlp(launch, single):
-    # With fp16 master weights: the loss scaler must unscale DTensor gradients too.
+    # With fp16 master weights: the loss scaler must unscale DTensor gradients too. (fp16 is
+    # slow on CPU, so one multi-rank test carries it.)
     run = launch(2, {"tp": 2, "amp": "O2", "amp_dtype": "fp16"})
     assert_same_training(run.result, single)
     assert {r["param_dtype"] for r in run.ranks()} == {"float16"}
@@ -196,8 +197,7 @@ def test_tp_halves_each_ranks_attention_and_mlp(launch, single):
 
 
 def test_pp_puts_half_the_layers_on_each_rank(launch, single):
-    # With fp16 autocast: only the last stage scales a loss, yet both stages step together.
-    run = launch(2, {"pp": 2, "pp_schedule": "1f1b", "amp": "O1", "amp_dtype": "fp16"})
+    run = launch(2, {"pp": 2, "pp_schedule": "1f1b"})
     assert_same_training(run.result, single)
     assert [r["layers"] for r in run.ranks()] == [[0], [1]]
 

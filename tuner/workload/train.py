@@ -97,16 +97,16 @@ class Training:
             config.loader_workers,
             config.pin_memory,
         )
-        self = cls(
+        training = cls(
             spec, recipe, config, env, dims, device, model, module, optimizer, master,
             make_scaler(config, device.type), n_micro, iter(loader),
         )  # fmt: skip
         if dims.pp_enabled:
-            self.schedule = self._make_schedule(coords["pp"])
-        if self.scaler:
+            training.schedule = training._make_schedule(coords["pp"])
+        if training.scaler:
             # Only the last stage scales a loss; this starts every rank at the same scale.
-            self.scaler.scale(torch.ones((), device=device))
-        return self
+            training.scaler.scale(torch.ones((), device=device))
+        return training
 
     def _make_schedule(self, pp_rank: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
