@@ -72,8 +72,15 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(20)
 
 
-def _page_loads(base: str, job_id: int, reloads: int) -> list[tuple[float, float]]:
-    """Per load: seconds to interactive, and to the last plot (parallel coordinates) drawn."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process used so far (user + system): unlike wall time, not inflated by load."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _page_loads(base: str, job_id: int, reloads: int, server_pid: int) -> list[tuple[float, float, float]]:
+    """Per load: seconds to interactive, to the last plot (parallel coordinates) drawn, and the
+    server's CPU seconds for the load."""
     from playwright.sync_api import sync_playwright
 
     times = []
@@ -81,6 +88,7 @@ def _page_loads(base: str, job_id: int, reloads: int) -> list[tuple[float, float
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         for i in range(reloads + 1):
+            cpu = _cpu_s(server_pid)
             if i == 0:
                 page.goto(f"{base}/ui/jobs/{job_id}")
             else:
@@ -88,9 +96,8 @@ def _page_loads(base: str, job_id: int, reloads: int) -> list[tuple[float, float
             page.wait_for_function("window.__dashboard && window.__dashboard.ready", timeout=120_000)
             page.wait_for_function("'parallel_drawn' in window.__dashboard.timings", timeout=120_000)
             timings = page.evaluate("window.__dashboard.timings")
-            times.append(
-                (page.evaluate("window.__dashboard.readyAt") / 1000, timings["parallel_drawn"] / 1000)
-            )
+            ready = page.evaluate("window.__dashboard.readyAt") / 1000
+            times.append((ready, timings["parallel_drawn"] / 1000, _cpu_s(server_pid) - cpu))
             rows = page.locator("#trials-table tbody tr").count()
             assert rows == 50, f"expected a 50-row table page, got {rows}"
         browser.close()
@@ -131,7 +138,7 @@ def main() -> None:
         port = _free_port()
         proc = _start_server(url, port)
         try:
-            loads = _page_loads(f"http://127.0.0.1:{port}", job_id, args.reloads)
+            loads = _page_loads(f"http://127.0.0.1:{port}", job_id, args.reloads, proc.pid)
         finally:
             _stop(proc)
         # A second server, cold again, for the endpoint timings.
@@ -141,17 +148,25 @@ def main() -> None:
         finally:
             _stop(proc)
 
-    cold, cold_all = loads[0]
-    warm = statistics.median(t for t, _ in loads[1:]) if len(loads) > 1 else float("nan")
-    warm_all = statistics.median(t for _, t in loads[1:]) if len(loads) > 1 else float("nan")
+    cold, cold_all, cold_cpu = loads[0]
+    warm, warm_all, warm_cpu = (
+        (statistics.median(x[k] for x in loads[1:]) for k in range(3))
+        if len(loads) > 1
+        else [float("nan")] * 3
+    )
     print(
         f"\nJob page of a {args.trials:,}-trial study (seeded in {seed_s:.1f} s), "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
-    print(f"{'page load (s from navigation start)':<46}{'interactive':>12}{'all plots':>12}{'target':>8}")
-    print(f"{'first load, cold server':<46}{cold:>12.2f}{cold_all:>12.2f}{'<' + str(args.target_s):>8}")
+    head = (
+        f"{'page load (s from navigation start)':<40}{'interactive':>12}{'all plots':>11}{'server CPU s':>14}"
+    )
+    print(f"{head}{'target':>8}")
+    print(
+        f"{'first load, cold server':<40}{cold:>12.2f}{cold_all:>11.2f}{cold_cpu:>14.2f}{'<' + str(args.target_s):>8}"
+    )
     label = f"reload, warm server (median of {len(loads) - 1})"
-    print(f"{label:<46}{warm:>12.2f}{warm_all:>12.2f}{'<' + str(args.target_s):>8}")
+    print(f"{label:<40}{warm:>12.2f}{warm_all:>11.2f}{warm_cpu:>14.2f}{'<' + str(args.target_s):>8}")
     print(f"\n{'endpoint /ui/api/jobs/ID/...':<46}{'cold s':>12}{'warm s':>12}{'bytes':>10}")
     for ep, c, w, size in endpoints:
         print(f"{ep:<46}{c:>12.2f}{w:>12.3f}{size:>10,}")
