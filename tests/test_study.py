@@ -64,8 +64,9 @@ class FakeExecutor(Executor):
 
     name = "fake"
 
-    def __init__(self, slots: int = 1, drift: dict[str, float] | None = None, fail_on=None):
+    def __init__(self, slots: int = 1, drift: dict[str, float] | None = None, fail_on=None, again=None):
         self.slots = slots
+        self.again = again or {}  # micro_batch_size -> speed factor when measured a second time
         self.drift = drift or {}  # amp level -> relative loss offset (a numerics bug)
         self.fail_on = fail_on or (lambda c: None)
         self.submitted: list[TrialSpec] = []
@@ -90,7 +91,7 @@ class FakeExecutor(Executor):
             if status:
                 out.append(TrialResult(status=status, error="boom", wall_s=1.0, tag=tag))
                 continue
-            tps = fake_tokens(c)
+            tps = fake_tokens(c) * (self.again.get(c.micro_batch_size, 1.0) if tag.startswith("re") else 1.0)
             off = 1 + self.drift.get(c.amp, 0.0)
             out.append(
                 TrialResult(
@@ -209,6 +210,17 @@ def test_remeasured_top_configs_keep_one_complete_trial_each(tune, url):
     ex2 = FakeExecutor()
     tune(recipe, ex2, trials=6, remeasure_top=2)
     assert ex2.submitted == []
+
+
+def test_a_winner_that_was_lucky_loses_its_place_and_the_next_one_is_remeasured(tune):
+    # micro_batch_size 8 measures fast once, then at a fifth of that: the median drops below 4's.
+    ex = FakeExecutor(again={8: 0.2})
+    recipe = make_recipe("lucky", overrides={**NARROW, "micro_batch_size": [2, 4, 8]})
+    summary = tune(recipe, ex, trials=3, sampler="grid", remeasure_top=1)
+    again = [Config(**s.config).micro_batch_size for s in ex.submitted if s.tag.startswith("remeasure")]
+    assert again == [8, 4]
+    assert summary.best["config"]["micro_batch_size"] == 4
+    assert len(summary.best["remeasured_tokens_per_s"]) == 1
 
 
 def test_equal_configs_are_reported_as_a_tie(tune):

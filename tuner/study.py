@@ -367,30 +367,38 @@ class _Driver:
     # ---- before naming a winner -------------------------------------------------------------
 
     def remeasure(self, top: int) -> None:
-        """Measure the top configs again; a winner should not be one lucky run."""
-        if top <= 0:
-            return
-        complete = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        ranked = sorted(
-            (t for t in complete if t.user_attrs.get("tokens_per_s")),
-            key=lambda t: -t.user_attrs["tokens_per_s"],
-        )[:top]
-        done = self.study.user_attrs
-        todo = [t for t in ranked if f"{REMEASURED_PREFIX}{t.number}" not in done]
-        waiting: dict[str, FrozenTrial] = {}
+        """Measure the top configs again; a winner should not be one lucky run.
+
+        The ranking uses medians, so a re-measurement can move a config out of the top and
+        another one in: repeat until the trustworthy top `top` all have a second run (at most
+        2 * top runs, so a noisy machine cannot keep it going).
+        """
+        runs_left = 2 * top
+        while runs_left > 0 and not self.should_stop():
+            done = self.study.user_attrs
+            ranked = build_summary(self.study, self.url, top_k=top).top_k
+            todo = [e["trial"] for e in ranked if f"{REMEASURED_PREFIX}{e['trial']}" not in done][:runs_left]
+            if not todo:
+                return
+            runs_left -= len(todo)
+            self._remeasure_trials(todo)
+
+    def _remeasure_trials(self, numbers: list[int]) -> None:
+        trials = {t.number: t for t in self.study.get_trials(deepcopy=False)}
+        todo, waiting = list(numbers), {}
         while (todo or waiting) and not self.should_stop():
             while todo:
-                config = config_from_params(todo[0].params)
+                config = config_from_params(trials[todo[0]].params)
                 v = verdict(config, self.recipe, self.device)
-                tag = f"remeasure-{todo[0].number}"
+                tag = f"remeasure-{todo[0]}"
                 spec = self._spec(config, tag, v.estimated_peak_mem_bytes, v.memory_budget_bytes)
                 if self.executor.free_slots(spec) <= 0:
                     break
                 self.executor.submit(spec)
                 waiting[spec.tag] = todo.pop(0)
             for result in self.executor.wait(timeout=HEARTBEAT_INTERVAL_S):
-                t = waiting.pop(result.tag, None)
-                if t is None:
+                number = waiting.pop(result.tag, None)
+                if number is None:
                     continue
                 cost = (result.wall_s or 0.0) * self.recipe.hardware.devices
                 spent = self.study.user_attrs.get("remeasure_device_seconds", 0.0)
@@ -398,7 +406,7 @@ class _Driver:
                 # Finished trials are read-only in Optuna, so re-measurements live on the study,
                 # keyed by the original trial's number (see tuner.summary).
                 value = [result.tokens_per_s] if result.status == "ok" and result.tokens_per_s else []
-                self.study.set_user_attr(f"{REMEASURED_PREFIX}{t.number}", value)
+                self.study.set_user_attr(f"{REMEASURED_PREFIX}{number}", value)
         if waiting:
             self.executor.cancel()
 
