@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 from functools import lru_cache
 from typing import Any
 
@@ -45,6 +46,8 @@ user_attrs = Table(
     Column("key", String),
     Column("value_json", Text),
 )
+
+study_attrs = Table("study_user_attributes", _md, Column("study_id", Integer), Column("key", String))
 
 SORTS = ("number", "-number", "tokens_per_s", "-tokens_per_s")
 STATES = ("running", "complete", "pruned", "fail", "waiting")
@@ -108,6 +111,34 @@ def _external(distribution_json: str, value: float) -> Any:
     from optuna.distributions import json_to_distribution
 
     return json_to_distribution(distribution_json).to_external_repr(value)
+
+
+_summaries: dict[tuple[str, str], tuple[tuple[int, int, int], dict[str, Any]]] = {}
+_summaries_lock = threading.Lock()
+
+
+def study_summary(session: Session, url: str, study_name: str) -> dict[str, Any] | None:
+    """tuner.summary's verdict on a study, recomputed only when the study changed: summarising
+    reads every trial (seconds for 10,000), while a job's page polls it."""
+    sid = study_id(session, study_name)
+    if sid is None:
+        return None
+    finished = select(func.count()).where(trials.c.study_id == sid, trials.c.state != "RUNNING")
+    running = select(func.count()).where(trials.c.study_id == sid, trials.c.state == "RUNNING")
+    attrs = select(func.count()).where(study_attrs.c.study_id == sid)  # re-measurements live here
+    version = (session.scalar(finished) or 0, session.scalar(running) or 0, session.scalar(attrs) or 0)
+    with _summaries_lock:
+        cached = _summaries.get((url, study_name))
+    if cached and cached[0] == version:
+        return cached[1]
+    from tuner.summary import summarize
+
+    summary = summarize(study_name, url).to_dict()
+    with _summaries_lock:
+        if len(_summaries) > 256:  # a bound, not an LRU: refilling costs one summarize per study
+            _summaries.clear()
+        _summaries[(url, study_name)] = (version, summary)
+    return summary
 
 
 def _hydrate(session: Session, rows) -> list[TrialPublic]:

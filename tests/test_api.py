@@ -287,6 +287,35 @@ def test_trials_page_fast_over_ten_thousand_trials(client, auth, url):
     assert 'tuner_jobs{state="queued"} 1' in metrics
 
 
+def test_best_of_a_finished_job_comes_from_its_stored_summary(client, auth, url):
+    job_id = _submit(client, auth).json()["id"]
+    assert client.get(f"/v1/jobs/{job_id}/best", headers=auth).status_code == 404
+    best = {"trial": 4, "config": {"micro_batch_size": 8}, "tokens_per_s": 900.0, "metrics": {"mfu": 0.4}}
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        job.state, job.study_name = "succeeded", "gone-from-optuna"
+        job.summary = {"best": best, "baseline": {"tokens_per_s": 300.0}, "speedup": 3.0, "counts": {"ok": 5}}
+    resp = client.get(f"/v1/jobs/{job_id}/best", headers=auth).json()
+    assert (resp["trial"], resp["speedup"], resp["baseline_tokens_per_s"]) == (4, 3.0, 300.0)
+
+
+def test_best_of_a_running_job_follows_new_trials(client, auth, url):
+    job_id = _submit(client, auth).json()["id"]
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        job.state, job.study_name = "running", "live"
+    _fill_study(url, "live", 30)
+    first = client.get(f"/v1/jobs/{job_id}/best", headers=auth).json()
+    assert first["trial"] == 28 and first["counts"]["ok"] == 27  # 29 is an oom
+    import optuna
+
+    study = optuna.load_study(study_name="live", storage=url)
+    trial = study.ask({"micro_batch_size": optuna.distributions.CategoricalDistribution([1, 2, 4, 8])})
+    trial.set_user_attr("tokens_per_s", 1e6)
+    study.tell(trial, 1e6)  # a new best arrives: the cached summary must not hide it
+    assert client.get(f"/v1/jobs/{job_id}/best", headers=auth).json()["trial"] == 30
+
+
 # ---- events -------------------------------------------------------------------------------------
 
 

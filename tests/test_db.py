@@ -58,6 +58,22 @@ def test_upgrade_creates_service_tables_and_is_idempotent(db_url):
     assert is_current(db_url)
 
 
+def test_upgrade_from_the_first_revision_keeps_the_jobs(db_url):
+    upgrade(db_url, "0001")
+    with get_engine(db_url).begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO jobs (recipe_name, recipe, recipe_hash, state, trials_done, trials_total,"
+                " cancel_requested, attempts, created_at, updated_at) VALUES ('old', '{}', 'h', 'succeeded',"
+                " 3, 3, false, 1, '2026-01-01 00:00:00', '2026-01-01 00:00:00')"
+            )
+        )
+    assert upgrade(db_url) == ("0001", head_revision())
+    with session_scope(db_url) as s:
+        job = s.scalars(select(Job)).one()
+        assert (job.recipe_name, job.trials_done, job.summary) == ("old", 3, None)
+
+
 def test_service_and_optuna_share_a_database_without_clashing(db_url):
     import optuna
 

@@ -196,6 +196,7 @@ def test_progress_becomes_job_events_and_the_job_succeeds(sqlite_url, monkeypatc
         assert (job.state, job.trials_done, job.trials_total) == ("succeeded", 4, 4)
         assert job.best_tokens_per_s == 150.0 and job.speedup == pytest.approx(1.5)
         assert job.study_name.startswith("w-") and job.finished_at >= job.started_at
+        assert job.summary["best"]["tokens_per_s"] == 150.0  # /best of a finished job reads this
     kinds = [e.kind for e in _events(sqlite_url, job_id)]
     assert kinds[0] == "state" and kinds.count("trial_finished") == 4
     # The study's own `done` is renamed: SSE clients stop at the job's `done`, which comes last.

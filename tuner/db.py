@@ -64,6 +64,8 @@ class Job(Base):
     baseline_tokens_per_s: Mapped[float | None] = mapped_column(Float)
     speedup: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
+    # The study summary the job ended with, so reading a finished job's best never re-reads its trials.
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     worker_id: Mapped[str | None] = mapped_column(String(200))
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     attempts: Mapped[int] = mapped_column(default=0)

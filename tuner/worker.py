@@ -376,6 +376,7 @@ class JobRun:
                 add_event(s, job.id, "requeued", {"reason": "worker shut down"})
                 return state
             _apply_summary(job, summary)
+            job.summary = _jsonable(summary) if summary else None
             build = outcome.get("build") or {}
             row = s.get(Build, build["build_id"]) if build.get("build_id") else None
             if row is not None:

@@ -232,16 +232,14 @@ def read_trials(
 def read_best(job_id: JobId, session: SessionDep, settings: SettingsDep, _: ReadAuth):
     """The winner so far: fastest completed config (re-measured, loss checked against fp32)."""
     job = _get_job(session, job_id)
-    summary = None
-    if job.study_name and trial_store.study_id(session, job.study_name) is not None:
-        from tuner.summary import summarize
-
-        summary = summarize(job.study_name, settings.database_url)
-    if summary is None or summary.best is None:
+    summary = job.summary if job.state in FINAL_STATES else None
+    if summary is None and job.study_name:
+        summary = trial_store.study_summary(session, settings.database_url, job.study_name)
+    best = (summary or {}).get("best")
+    if not best:
         raise ApiError(
             404, f"job {job_id} has no completed trial yet (state: {job.state})", [("id", "no best yet")]
         )
-    best = summary.best
     return BestPublic(
         job_id=job.id,
         study_name=job.study_name,
@@ -250,10 +248,10 @@ def read_best(job_id: JobId, session: SessionDep, settings: SettingsDep, _: Read
         tokens_per_s=best["tokens_per_s"],
         metrics=best.get("metrics") or {},
         noise=best.get("noise"),
-        baseline_tokens_per_s=(summary.baseline or {}).get("tokens_per_s"),
-        speedup=summary.speedup,
-        tie=summary.tie,
-        counts=summary.counts,
+        baseline_tokens_per_s=(summary.get("baseline") or {}).get("tokens_per_s"),
+        speedup=summary.get("speedup"),
+        tie=bool(summary.get("tie")),
+        counts=summary.get("counts") or {},
     )
 
 
