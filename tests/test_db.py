@@ -120,5 +120,8 @@ def test_unreachable_database_gives_an_actionable_error():
 
 def test_missing_schema_says_to_run_upgrade(tmp_path):
     url = f"sqlite:///{tmp_path / 'empty.db'}"
-    with pytest.raises(DatabaseError, match="schema is missing.*tuner db upgrade"), session_scope(url) as s:
+    with (
+        pytest.raises(DatabaseError, match="schema is missing or old.*tuner db upgrade"),
+        session_scope(url) as s,
+    ):
         s.execute(select(Job))

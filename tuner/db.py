@@ -189,8 +189,10 @@ def session_scope(url: str | None = None) -> Iterator[Session]:
         session.commit()
     except exc.OperationalError as err:
         session.rollback()
-        if "no such table" in str(err.orig):
-            raise DatabaseError(f"database schema is missing ({err.orig}); run `tuner db upgrade`") from err
+        if "no such table" in str(err.orig) or "no such column" in str(err.orig):
+            raise DatabaseError(
+                f"database schema is missing or old ({err.orig}); run `tuner db upgrade`"
+            ) from err
         raise DatabaseError(
             f"database {_redact(url or database_url())} is unavailable or locked: {err.orig}; "
             "check TUNER_DATABASE_URL and that the server is running, then `tuner db upgrade`"
