@@ -11,11 +11,11 @@ import torch
 from tuner.config import Config
 from tuner.recipe import recipe_from_dict
 from tuner.result import TrialSpec
-from tuner.workload.apply import apply_compile, apply_recompute
+from tuner.workload.apply import apply_compile, apply_offload, apply_recompute
 from tuner.workload.data import DpShardSampler, SyntheticTokens
 from tuner.workload.flops import param_count
 from tuner.workload.model import GPT, build_model
-from tuner.workload.parallel import ParallelDims
+from tuner.workload.parallel import ParallelDims, RankEnv
 from tuner.workload.profile import CATEGORIES, profile_steps, write_breakdown
 from tuner.workload.train import Training
 
@@ -95,6 +95,18 @@ def test_recompute_keeps_fewer_activations_for_backward():
         saved[mode] = saved_bytes(model, x)
     assert saved["full"] < saved["selective"] < saved["none"]
     assert saved["full"] < saved["none"] / 2
+    # Offload hands every block's saved tensors to save_on_cpu (whose copies live on the host).
+    model = build_model(m, "math", seed=0, device=CPU)
+    apply_offload(model, pin_memory=False)
+    assert saved_bytes(model, x) < saved["full"]
+
+
+def test_a_config_the_rules_reject_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match=r"layers \(2\) not divisible by pp \(4\)"):
+        spec = TrialSpec(
+            recipe=recipe().to_dict(), config=Config(pp=4).to_dict(), family="cpu", workdir=str(tmp_path)
+        )
+        Training.from_spec(spec, RankEnv(world_size=4))
 
 
 def op_names(train: Training) -> set[str]:
@@ -135,7 +147,6 @@ def test_single_rank_knobs_train_the_same_model(tmp_path):
     for knobs in (
         {"recompute": "full"},
         {"recompute": "selective", "attention": "flash"},
-        {"offload": True},
         {"optimizer_impl": "fused"},
         {"optimizer_impl": "for_loop", "micro_batch_size": 4},
         {"amp": "O1", "amp_dtype": "bf16"},

@@ -4,6 +4,7 @@ then `.step()`): the trial runner measures it, the build step compiles and times
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from tuner.config import Config, microbatches
-from tuner.devices import describe, torch_device
+from tuner.config import Config, infeasible_reasons, microbatches
+from tuner.devices import DeviceInfo, describe, torch_device
 from tuner.recipe import Recipe, recipe_from_dict
 from tuner.result import TrialSpec
 from tuner.workload.apply import apply_all
@@ -27,6 +28,16 @@ from tuner.workload.precision import MasterWeights, low_dtype, make_optimizer, m
 
 def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
+def _check_feasible(config: Config, recipe: Recipe, info: DeviceInfo, world: int) -> None:
+    """The study prunes infeasible configs before launch; a spec run directly gets the same
+    verdict here rather than, say, a pipeline that silently drops the layers pp does not divide.
+    Rank and device counts are the launcher's business, so they are taken as launched."""
+    launched = recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update={"devices": world})})
+    reasons = infeasible_reasons(config, launched, dataclasses.replace(info, count=max(info.count, world)))
+    if reasons:
+        raise ValueError("config cannot run here: " + "; ".join(reasons))
 
 
 @dataclass
@@ -59,6 +70,7 @@ class Training:
         env = env or RankEnv.from_environ()
         info = describe(spec.family)
         dims = ParallelDims(config.dp, config.tp, config.pp, env.world_size)
+        _check_feasible(config, recipe, info, env.world_size)
         init_distributed(info.backend, env, spec.timeout_s)
         device = torch_device(spec.family, env.local_rank)
         if env.world_size > 1:
