@@ -76,37 +76,38 @@ def _stop_cluster(temp_dirs: list[str], port: int) -> None:
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     import ray
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
     if ray.is_initialized():
         ray.shutdown()
+    # Token auth, Ray's default, for the nodes and for this driver, which share ~/.ray/auth_token.
+    # Ray reads the mode once per process, so switch it here the way a local ray.init does.
+    _enable_token_auth()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+
     port = _free_port()
     temp_dirs = [str(tmp_path_factory.mktemp("ray-head")), str(tmp_path_factory.mktemp("ray-node"))]
-    # A throwaway loopback cluster: no auth token to share between its nodes.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
     head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
     head += [f"--ray-client-server-port={_free_port()}", f"--temp-dir={temp_dirs[0]}"]
     worker = [RAY, "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp_dirs[1]}"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        try:
-            # Both at once: the worker node retries until the head's GCS answers.
-            starts = []
-            for cmd, resource in ((head, "nodeA"), (worker, "nodeB")):
-                cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
-                starts.append(
-                    subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                )
-            for start in starts:
-                out, _ = start.communicate(timeout=120)
-                assert start.returncode == 0, f"{' '.join(start.args[:3])} failed:\n{out.decode()[-3000:]}"
-            ex = RayExecutor(address=f"127.0.0.1:{port}", lease_dir=str(tmp_path_factory.mktemp("leases")))
-            yield ex
-            ex.close()
-        finally:
-            if ray.is_initialized():
-                ray.shutdown()
-            _stop_cluster(temp_dirs, port)
+    try:
+        # Both at once: the worker node retries until the head's GCS answers.
+        starts = []
+        for cmd, resource in ((head, "nodeA"), (worker, "nodeB")):
+            cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
+            starts.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        for start in starts:
+            out, _ = start.communicate(timeout=120)
+            assert start.returncode == 0, f"{' '.join(start.args[:3])} failed:\n{out.decode()[-3000:]}"
+        ex = RayExecutor(address=f"127.0.0.1:{port}", lease_dir=str(tmp_path_factory.mktemp("leases")))
+        yield ex
+        ex.close()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _stop_cluster(temp_dirs, port)
 
 
 def test_trials_run_on_both_nodes_on_distinct_cores(two_nodes, tmp_path):
