@@ -214,5 +214,12 @@ def test_compose_commands_tune_a_submitted_recipe_end_to_end(database, tmp_path)
         assert best["metrics"]["status"] == "ok" and best["tokens_per_s"] > 0
         assert line["best_tokens_per_s"] == pytest.approx(best["tokens_per_s"])
         assert line["config"] == best["config"]
+
+        # A revoked or mistyped token: the recipe fails with the fix in the message, and the run exits 1.
+        stack.env["TUNER_API_TOKEN"] = "tnr_not-a-token"
+        refused = stack.run([*NIGHTLY[:-1], "2026-11-29", str(tmp_path / "recipes"), "--api", base])
+        assert (
+            refused.returncode == 1 and "HTTP 403" in refused.stderr and "TUNER_API_TOKEN" in refused.stderr
+        )
     finally:
         stack.stop()
