@@ -55,8 +55,9 @@ def test_second_night_starts_from_the_first_best_and_reports_a_slowdown(tmp_path
     report = json.loads((tmp_path / "reports" / "nightly-2026-11-28.json").read_text())
     line = report["recipes"][0]
     study = optuna.load_study(study_name=line["study_name"], storage=url)
-    first_trial = min(study.trials, key=lambda t: t.number)
+    first_trial, second_trial = sorted(study.trials, key=lambda t: t.number)[:2]
     assert first_trial.user_attrs["role"] == "previous_best"
+    assert second_trial.user_attrs["role"] == "previous_top"  # last night's runner-up
     assert {k: first_trial.params[k] for k in config1} == config1
     # ...and the same config is now slower: the machine regressed, not the search.
     assert line["remeasured_previous_tokens_per_s"] < best1 * 0.95
