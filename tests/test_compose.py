@@ -97,9 +97,15 @@ def test_every_setting_is_in_env_example_and_no_secret_is_baked_in():
     missing = (used | read_by_service | {"TUNER_DATABASE_URL", "TUNER_API_TOKEN"}) - set(documented)
     assert not missing, f"add these to .env.example: {sorted(missing)}"
 
-    # The password is required from .env, never defaulted in the compose file or the image.
-    assert "${POSTGRES_PASSWORD:?" in compose_text
+    # One image for all services: CPU torch by default, a build arg for a CUDA one.
     dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.M)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    assert "-c constraints/cpu.txt" in dockerfile
+    assert load_compose()["x-tuner"]["build"]["args"]["TORCH_INDEX_URL"].startswith("${TORCH_INDEX_URL")
+
+    # The password is required from .env, never defaulted in the compose file or the image.
+    assert "${POSTGRES_PASSWORD:?" in compose_text and "${RAY_AUTH_TOKEN:?" in compose_text
     assert not re.search(r"(?i)^\s*(ENV|ARG)\s+\S*(PASSWORD|TOKEN|SECRET)", dockerfile, re.M)
     assert ".env" in (ROOT / ".dockerignore").read_text().split()
     with pytest.raises(KeyError, match="POSTGRES_PASSWORD"):
