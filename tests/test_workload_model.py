@@ -210,3 +210,36 @@ def test_profile_breaks_a_step_into_categories(tmp_path):
     assert json.loads((tmp_path / "profile" / "breakdown.json").read_text())["steps"] == 2
     trace = json.loads((tmp_path / "profile" / "trace-rank0.json").read_text())
     assert any(ev.get("name") == "optimizer" for ev in trace["traceEvents"])
+
+
+def test_the_fp16_loss_scaler_unscales_tensor_parallel_gradients(tmp_path):
+    """torch's GradScaler refuses DTensor gradients mixed with plain ones (tp with fp16)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tuner.workload.precision import ShardAwareGradScaler
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]))
+        plain = torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([{"params": [plain]}, {"params": [sharded]}], lr=0.5)
+        scaler = ShardAwareGradScaler("cpu", init_scale=1024.0)
+        scaler.scale(sharded.full_tensor().sum() + plain.sum()).backward()
+        scaler.unscale_(opt)
+        assert torch.equal(sharded.grad.full_tensor(), torch.ones(4, 4))  # 1024 divided back out
+        assert torch.equal(plain.grad, torch.ones(4))
+        scaler.step(opt)
+        scaler.update()
+        assert torch.equal(sharded.full_tensor(), torch.full((4, 4), 0.5))
+
+        opt.zero_grad()
+        scaler.scale(sharded.full_tensor().sum() * float("inf")).backward()
+        scaler.step(opt)  # an overflow skips the step and halves the scale
+        scaler.update()
+        assert torch.equal(sharded.full_tensor(), torch.full((4, 4), 0.5))
+        assert scaler.get_scale() == 512.0
+    finally:
+        dist.destroy_process_group()
