@@ -182,3 +182,18 @@ def test_bad_input_exits_2_with_the_fix(tmp_path):
     )
     dup, dup_out = invoke(["nightly", str(tmp_path)])
     assert dup == 2 and "names must be unique" in dup_out
+
+
+def test_a_recipe_for_a_device_this_machine_lacks_fails_with_the_fix(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    (tmp_path / "gpu.yaml").write_text(
+        "name: gpu\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\nhardware: {device: cuda}\n"
+    )
+    args = ["nightly", str(tmp_path / "gpu.yaml"), "--local", "--report", str(tmp_path / "rep")]
+    code, out = invoke([*args, "--storage", f"sqlite:///{tmp_path}/t.db"])
+    assert code == 1 and "gpu: FAILED" in out and "set hardware.device to auto" in out
+    doc = json.loads((tmp_path / "rep" / f"nightly-{dt.date.today()}.json").read_text())
+    assert doc["verdicts"]["failed"] == ["gpu"]

@@ -38,7 +38,10 @@ def nightly(
         None, "--token", envvar="TUNER_API_TOKEN", help="API token for --api (from `tuner token create`)."
     ),
     trials: int = typer.Option(
-        8, "--trials", min=1, help="Trials per recipe tonight; the warm-start configs are the first of them."
+        8,
+        "--trials",
+        min=1,
+        help="Trials per recipe tonight (at most the recipe's search.trials); the warm-start configs run first.",
     ),
     fail_on_regression: str = typer.Option(
         "5%",
@@ -159,32 +162,33 @@ def _run_pass(
     with Progress(*columns, console=err_console) as progress:
         overall = progress.add_task(f"nightly {night}", total=len(found))
         for path, recipe in found:
-            task = progress.add_task(f"  {recipe.name}: trials", total=trials)
+            budget = min(trials, recipe.search.trials)  # never more than the recipe's own search
+            task = progress.add_task(f"  {recipe.name}: trials", total=budget)
 
-            def on_trial(done: int, total: int | None = None, _task=task) -> None:
-                progress.update(_task, completed=done, total=total or trials)
+            def on_trial(done: int, total: int | None = None, _task=task, _budget=budget) -> None:
+                progress.update(_task, completed=done, total=total or _budget)
 
             if api:
                 tune = nl.api_tuner(
-                    api, token, night=night, trials=trials, storage_url=storage, progress=on_trial
+                    api, token, night=night, trials=budget, storage_url=storage, progress=on_trial
                 )
                 expected = None
             else:
                 tune = nl.local_tuner(
                     night=night,
-                    trials=trials,
+                    trials=budget,
                     executor=executor,
                     storage_url=storage,
                     progress=on_trial,
                     remeasure_top=remeasure,
                 )
-                expected = nl.local_fingerprint_hash(recipe)
+                expected = _local_fingerprint_hash(recipe)
             outcome = nl.run_recipe(
                 recipe, str(path), night=night, threshold=threshold, tune=tune,
                 expected_fingerprint_hash=expected, db_url=storage, top_k=top_k,
             )  # fmt: skip
             outcomes.append(outcome)
-            progress.update(task, description=f"  {recipe.name}: {_line(outcome)}", completed=trials)
+            progress.update(task, description=f"  {recipe.name}: {_line(outcome)}", completed=budget)
             progress.advance(overall)
     md, js = nl.write_report(outcomes, report_dir, night, threshold)
     code = nl.exit_code(outcomes)
@@ -192,6 +196,15 @@ def _run_pass(
         err_console.print(f"{o.recipe}: {_line(o)}", highlight=False)
     err_console.print(f"report: {md} and {js}; exit code {code}", highlight=False)
     return code
+
+
+def _local_fingerprint_hash(recipe) -> str | None:
+    from tuner import nightly as nl
+
+    try:
+        return nl.local_fingerprint_hash(recipe)
+    except Exception:  # noqa: BLE001 - e.g. device: cuda on a CPU host; tuning reports it as failed
+        return None
 
 
 def _line(o) -> str:
