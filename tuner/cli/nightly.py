@@ -208,10 +208,13 @@ def _local_fingerprint_hash(recipe) -> str | None:
 
 
 def _line(o) -> str:
-    if o.verdict == "failed":
+    from tuner.nightly import FAILED, REGRESSED
+
+    if o.verdict == FAILED:
         return f"FAILED ({o.error or 'no trial succeeded'})"
     best = f"{o.best_tokens_per_s:,.0f} tokens/s"
     if o.change_pct is None:
         return f"first run, best {best}"
+    verdict = o.verdict.upper() if o.verdict == REGRESSED else o.verdict
     fp = ", fingerprint changed" if o.fingerprint_changed else ""
-    return f"{o.verdict.upper() if o.verdict == 'regression' else o.verdict}, best {best} ({o.change_pct:+.1f}%{fp})"
+    return f"{verdict}, best {best} ({o.change_pct:+.1f}%{fp})"
