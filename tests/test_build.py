@@ -28,12 +28,12 @@ pytestmark = pytest.mark.slow
 
 RECIPE = {
     "name": "build-tiny",
-    "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 2, "seq_len": 64, "vocab": 256},
-    "train": {"global_batch_size": 8},
+    "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 2, "seq_len": 128, "vocab": 256},
+    "train": {"global_batch_size": 16},
     "hardware": {"device": "cpu", "devices": 2},
     "measure": {"warmup_steps": 2, "steps": 6, "timeout_s": 300},
 }
-CONFIG = {"dp": 2, "tp": 1, "micro_batch_size": 4}
+CONFIG = {"dp": 2, "tp": 1, "micro_batch_size": 8}
 
 
 def _text(run) -> str:
@@ -148,7 +148,8 @@ def test_loading_the_compile_cache_in_a_fresh_process_makes_compile_faster(built
 
 
 def test_launch_sh_reproduces_the_trials_throughput(measured, built):
-    """Generous tolerance: within 2x, since the 2 CI cores are shared with other test processes."""
+    """Generous tolerance: within 2x of the trial's number or of the build's re-measurement of the
+    same config, since the 2 CI cores are shared with other test processes and a step is short."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     run = subprocess.run(
         ["bash", str(built["dir"] / "launch.sh")], env=env, capture_output=True, text=True, timeout=300
@@ -156,8 +157,8 @@ def test_launch_sh_reproduces_the_trials_throughput(measured, built):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "tokens/s" in run.stdout + run.stderr  # rank 0 prints the result
     result = json.loads((built["dir"] / "run" / "result.json").read_text())
-    measured_tps = measured["result"].tokens_per_s
-    assert measured_tps / 2 < result["tokens_per_s"] < measured_tps * 2
+    references = [measured["result"].tokens_per_s, built["record"]["eager_tokens_per_s"]]
+    assert any(ref / 2 < result["tokens_per_s"] < ref * 2 for ref in references), (result, references)
 
 
 def test_damaged_build_is_detected(measured, built):

@@ -3,8 +3,8 @@ trial's rank. TUNER_BUILD_PHASE picks the phase:
 
 - `cold`: compile the config, timing the cold compile; measure, profile, and save the compiler's
   portable cache (`torch.compiler.save_cache_artifacts`) to `{workdir}/cache/rank{r}.bin`; then
-  measure the same config eager (compile=none) for comparison. Inductor writes its generated kernels under
-  `{workdir}/inductor/rank{r}` (TORCHINDUCTOR_CACHE_DIR), where the build collects them.
+  measure the same config eager (compile=none) for comparison. Inductor writes its generated
+  kernels under `{workdir}/inductor/rank{r}` (TORCHINDUCTOR_CACHE_DIR); the build collects them.
 - `warm`: a fresh process with an empty inductor cache dir loads the cache saved by the cold phase
   (from the directory TUNER_BUILD_CACHE names) before compiling, and times the compile again.
 
@@ -70,7 +70,7 @@ def _gather(obj: dict[str, Any], world: int) -> list[dict[str, Any]]:
 
 
 def cold(spec: Any, env: Any, baseline: int) -> Any:
-    """Eager, then compiled: measurements, profile and the saved compile cache of this rank."""
+    """Compiled, then eager: this rank's measurements, profile and saved compile cache."""
     import torch
 
     from tuner.workload.profile import profile_steps, write_breakdown
@@ -87,7 +87,7 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
     first = _timed_step(train, spec.family) if compiled else None
     times, losses = measure(train, spec, baseline)
     out = workdir / "profile"
-    report = profile_steps(train, min(PROFILE_STEPS, spec_steps(spec)), out, env.rank, spec.family)
+    report = profile_steps(train, min(PROFILE_STEPS, _measured_steps(spec)), out, env.rank, spec.family)
     mine["breakdown"] = report["seconds_per_step"]
     result = _result(train, spec, times, losses, None, None, report, [])
     eager = result
@@ -118,7 +118,7 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
     return result
 
 
-def spec_steps(spec: Any) -> int:
+def _measured_steps(spec: Any) -> int:
     return int(spec.recipe.get("measure", {}).get("steps", 5))
 
 
