@@ -154,7 +154,7 @@ class _Summary:
         return {"best": self.best, "baseline": base if self.best else None, "n_trials": 2}
 
 
-def _study(trials_before_stop: int | None, best_tps: float | None = 150.0):
+def _study(trials_before_stop: int | None, best_tps: float | None = 150.0, raise_on_stop: bool = False):
     """A stand-in for tuner.study.run_study with its progress events and stop protocol."""
 
     def run_study(recipe, *, progress, should_stop, trials, **_kw):
@@ -162,6 +162,8 @@ def _study(trials_before_stop: int | None, best_tps: float | None = 150.0):
             if trials_before_stop is not None and n >= trials_before_stop:
                 while not should_stop():
                     time.sleep(0.05)
+                if raise_on_stop:
+                    raise RuntimeError("a trial died while being stopped")
                 break
             progress({"event": "trial_started", "trial": n, "done": n, "total": trials})
             progress(
@@ -212,8 +214,9 @@ def test_a_study_with_no_ok_trial_fails_the_job_with_a_reason(sqlite_url, monkey
         assert job.state == "failed" and "no trial finished ok" in job.error
 
 
-def test_cancel_stops_the_trials_and_ends_cancelled(sqlite_url, monkeypatch):
-    monkeypatch.setattr("tuner.study.run_study", _study(trials_before_stop=1))
+@pytest.mark.parametrize("raise_on_stop", [False, True])
+def test_cancel_stops_the_trials_and_ends_cancelled(sqlite_url, monkeypatch, raise_on_stop):
+    monkeypatch.setattr("tuner.study.run_study", _study(trials_before_stop=1, raise_on_stop=raise_on_stop))
     job_id = _queue(sqlite_url)[0]
     worker = _worker(sqlite_url)
     runner = threading.Thread(target=worker.run_once)

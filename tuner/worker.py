@@ -275,7 +275,8 @@ class JobRun:
             outcome = self._run_study()
         except Exception as err:  # noqa: BLE001 - a failing job is data; the worker keeps going
             log.exception("job %s failed", self.job_id)
-            outcome = {"state": "failed", "error": f"{type(err).__name__}: {err}"}
+            # Stopping trials can make the study raise; a stop that was asked for is not a failure.
+            outcome = self._stopped() or {"state": "failed", "error": f"{type(err).__name__}: {err}"}
         finally:
             self._done.set()
             beat.join()
@@ -307,12 +308,9 @@ class JobRun:
             remeasure_top=cfg.remeasure_top,
         )
         result = summary.to_dict() if hasattr(summary, "to_dict") else dict(summary)
-        if self.lost.is_set():
-            return {"state": "lost"}
-        if self.worker.shutdown.is_set() and not self.cancelled.is_set():
-            return {"state": "queued"}
-        if self.cancelled.is_set():
-            return {"state": "cancelled", "summary": result}
+        stopped = self._stopped()
+        if stopped:
+            return {**stopped, "summary": result}
         out: dict[str, Any] = {"state": "succeeded", "summary": result}
         best = _best_trial_number(result)
         if best is None:
@@ -325,6 +323,16 @@ class JobRun:
         else:
             out["build"] = {"error": "builds are turned off on this service (TUNER_BUILD=false)"}
         return out
+
+    def _stopped(self) -> dict[str, Any] | None:
+        """Why the study stopped early, when it was asked to: taken over, shut down or cancelled."""
+        if self.lost.is_set():
+            return {"state": "lost"}
+        if self.worker.shutdown.is_set() and not self.cancelled.is_set():
+            return {"state": "queued"}
+        if self.cancelled.is_set():
+            return {"state": "cancelled"}
+        return None
 
     def _build(self, recipe: Any, name: str, trial_number: int) -> dict[str, Any]:
         try:
