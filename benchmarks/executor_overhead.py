@@ -1,7 +1,8 @@
 """What running trials through Ray costs and buys, against the local executor.
 
 1. Overhead per trial (`result.wall_s - result.measured_s`: launch, imports, model build, warm-up,
-   teardown, and for Ray also scheduling) of the same recipe, run one at a time by each executor.
+   teardown, and for Ray also scheduling) of the same recipe, one trial at a time, alternating
+   between the executors; and the part of Ray's that is Ray's own (scheduling, result transport).
 2. Speedup from concurrent trials: the same 1-rank trials on a local Ray runtime, one at a time
    versus as many at once as the runtime's CPUs allow (each pinned to its own core).
 
@@ -78,11 +79,6 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="executor-overhead-"))
     out: dict[str, object] = {"recipe": args.recipe, "family": family, "ranks": ranks, "ray_cpus": args.cpus}
 
-    local_specs = [make_spec(recipe, family, work, f"local-{i}", ranks) for i in range(args.repeats)]
-    with LocalExecutor() as ex:
-        local, _ = run_all(ex, local_specs, concurrent=False)
-    out["local_overhead"] = overheads(local)
-
     ray.init(
         address="local",
         num_cpus=args.cpus,
@@ -90,10 +86,20 @@ def main() -> None:
         logging_level="ERROR",
         log_to_driver=False,
     )
-    with RayExecutor() as ex:
-        ray_specs = [make_spec(recipe, family, work, f"ray-{i}", ranks) for i in range(args.repeats)]
-        ray_results, _ = run_all(ex, ray_specs, concurrent=False)
+    with LocalExecutor() as local_ex, RayExecutor() as ex:
+        # Alternate the executors so that both see the same background load.
+        local, ray_results = [], []
+        for i in range(args.repeats):
+            local += run_all(
+                local_ex, [make_spec(recipe, family, work, f"local-{i}", ranks)], concurrent=False
+            )[0]
+            ray_results += run_all(
+                ex, [make_spec(recipe, family, work, f"ray-{i}", ranks)], concurrent=False
+            )[0]
+        out["local_overhead"] = overheads(local)
         out["ray_overhead"] = overheads(ray_results)
+        # Of that, what Ray itself adds: submit to result on the driver, minus run_trial's own wall.
+        out["ray_scheduling_s"] = statistics.median(r.wall_s - r.extra["node_wall_s"] for r in ray_results)
         one = [make_spec(recipe, family, work, f"seq-{i}", 1) for i in range(args.trials)]
         _, sequential_s = run_all(ex, one, concurrent=False)
         many = [make_spec(recipe, family, work, f"par-{i}", 1) for i in range(args.trials)]
@@ -115,6 +121,9 @@ def main() -> None:
     print("| --- | --- |")
     print(f"| local | {lo['median_s']:.2f} s ({lo['min_s']:.2f}-{lo['max_s']:.2f}) |")
     print(f"| ray | {ro['median_s']:.2f} s ({ro['min_s']:.2f}-{ro['max_s']:.2f}) |")
+    print(
+        f"of Ray's overhead, scheduling and result transport (driver wall - node wall): {out['ray_scheduling_s']:.2f} s"
+    )
     print(
         f"{args.trials} 1-rank trials on a {args.cpus}-CPU Ray runtime: one at a time {sequential_s:.1f} s, "
         f"concurrently {concurrent_s:.1f} s, speedup {sequential_s / concurrent_s:.2f}x"
