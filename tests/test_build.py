@@ -222,3 +222,22 @@ def test_build_past_its_timeout_fails_cleanly_and_leaves_no_process(measured, tm
         if str(tmp_path) in cmdline:
             left.append(cmdline.replace("\0", " "))
     assert left == []
+
+
+def test_where_nothing_compiles_the_build_still_holds_config_launch_and_profile(
+    measured, tmp_path, monkeypatch
+):
+    """The Ascend NPU path (no torch.compile there), run on CPU: only the decision is stood in for;
+    the measurement, profile, archive and registration are real."""
+    import tuner.build as build
+
+    reason = "torch.compile is not driven on Ascend NPU, so the kernel part is not produced there"
+    monkeypatch.setattr(build, "build_plan", lambda config, recipe, family: (config, reason))
+    record = build.build_trial(
+        recipe_from_dict(RECIPE), storage_url=measured["url"], store=ArtifactStore(tmp_path), timeout_s=300
+    )
+    files = ArtifactStore(tmp_path).verify(record.path, sha256=record.sha256)["files"]
+    assert {"config.json", "launch.sh", "spec.json", "profile/breakdown.json"} <= set(files)
+    assert not [f for f in files if f.startswith("kernels/") or f.startswith("compile-cache")]
+    assert record.compiled_tokens_per_s is None and record.eager_tokens_per_s > 0 and record.kernels == 0
+    assert f"kernels: not produced: {reason}" in record.summary
