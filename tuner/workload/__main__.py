@@ -32,10 +32,11 @@ def main(argv: list[str]) -> None:
     code = run_main(spec)
     sys.stdout.flush()
     sys.stderr.flush()
-    if code:
-        # Peers may be blocked in a collective with us; do not wait for the process group's
-        # teardown, the launcher ends the rest of the trial.
-        os._exit(code)
+    # Everything the trial reports is written by now. On failure, peers may be blocked in a
+    # collective with us, so do not wait for teardown. On success, skip the interpreter's
+    # shutdown too: finalising torch's modules and their thread pools took ~3.5 s per rank
+    # (measured on the tiny recipe), pure overhead on every trial.
+    os._exit(code)
 
 
 if __name__ == "__main__":
