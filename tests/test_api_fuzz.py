@@ -47,9 +47,9 @@ class _Bearer:
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_5xx_and_no_schema_violations(case):
     # A recipe has rules a JSON Schema cannot state (heads divide hidden), so a schema-valid
-    # recipe may rightly get 422. And tuner.recipe parses leniently (pydantic's lax mode takes
-    # `steps: "5"` or `warmup_steps: false` as numbers), so some schema-invalid recipes are
-    # accepted; tests/test_api.py covers the recipe errors that matter (unknown fields, code).
+    # recipe may rightly get 422. And real-valued recipe fields take numeric text (YAML 1.1 reads
+    # `lr: 3e-4` as a string), so some schema-invalid recipes are accepted; tests/test_recipe.py
+    # and tests/test_api.py cover the recipe errors that matter (types, unknown fields, code).
     excluded = [positive_data_acceptance]
     if case.method == "POST" and case.path == "/v1/jobs":
         excluded.append(negative_data_rejection)

@@ -58,6 +58,9 @@ BAD_DOCS = [
     ),
     ("zero steps", with_("measure.steps", 0), "measure.steps", "greater than or equal to 1"),
     ("unknown optimizer", with_("train.optimizer", "lion"), "train.optimizer", "'adamw'"),
+    ("boolean for int", with_("measure.warmup_steps", False), "measure.warmup_steps", "integer"),
+    ("quoted int", with_("hardware.devices", "2"), "hardware.devices", "integer"),
+    ("boolean for number", with_("train.lr", True), "train.lr", "number"),
     ("section not a mapping", with_("train", [16]), "train", "dictionary"),
 ]
 
@@ -98,6 +101,14 @@ def test_unparseable_documents(text, words):
 def test_missing_file_says_so(tmp_path):
     with pytest.raises(RecipeError, match="cannot read recipe file"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_exponent_floats_from_yaml_are_numbers():
+    # PyYAML (YAML 1.1) reads 3e-4 as the string "3e-4"; users write it that way all the time.
+    recipe = parse_recipe(
+        "name: x\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 32, vocab: 256}\ntrain: {lr: 3e-4}\n"
+    )
+    assert recipe.train.lr == pytest.approx(3e-4)
 
 
 def test_only_name_and_model_are_required():

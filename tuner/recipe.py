@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 
 class RecipeError(ValueError):
@@ -26,8 +26,23 @@ class RecipeError(ValueError):
         super().__init__("\n".join(lines))
 
 
+def _number(value: Any) -> Any:
+    """Accept numbers and numeric text (PyYAML reads `3e-4` as a string), never booleans."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # strict validation then names the field
+    return value
+
+
+# Strict sections: `layers: "4"` or `steps: false` are mistakes, not values to coerce.
+# Real-valued fields still take numeric text, since YAML 1.1 has no exponent-only floats.
+Real = Annotated[float, BeforeValidator(_number)]
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(_Section):
@@ -62,7 +77,7 @@ class ModelSpec(_Section):
 class TrainSpec(_Section):
     global_batch_size: int = Field(16, ge=1, description="Samples per optimizer step, all ranks.")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(3.0e-4, gt=0, le=10, description="Learning rate.")
+    lr: Real = Field(3.0e-4, gt=0, le=10, description="Learning rate.")
 
 
 class HardwareSpec(_Section):
@@ -70,7 +85,7 @@ class HardwareSpec(_Section):
         "auto", description="Device family; auto picks npu, then cuda, then cpu."
     )
     devices: int = Field(1, ge=1, le=4096, description="Devices (ranks) per trial.")
-    memory_budget_gb: float | None = Field(
+    memory_budget_gb: Real | None = Field(
         None, gt=0, description="Peak memory allowed per device in GiB; null = the device's size."
     )
 
@@ -80,7 +95,7 @@ class SearchSpec(_Section):
         None, description="Search space name (search_spaces/<name>.yaml); default: device family."
     )
     trials: int = Field(30, ge=1, le=100_000, description="Trials to run (pruned ones count).")
-    timeout_min: float = Field(30, gt=0, description="Stop starting new trials after this long.")
+    timeout_min: Real = Field(30, gt=0, description="Stop starting new trials after this long.")
     sampler: Literal["tpe", "gp", "cmaes", "random", "grid"] = Field("tpe")
     seed: int = Field(0, ge=0)
     objective: Literal["throughput", "throughput_memory"] = Field(
@@ -97,7 +112,7 @@ class SearchSpec(_Section):
 class MeasureSpec(_Section):
     warmup_steps: int = Field(2, ge=0, le=1000)
     steps: int = Field(5, ge=1, le=10_000)
-    timeout_s: float = Field(300, gt=0, description="A trial running longer is killed (timeout).")
+    timeout_s: Real = Field(300, gt=0, description="A trial running longer is killed (timeout).")
 
 
 class Recipe(_Section):
@@ -158,7 +173,9 @@ def parse_recipe(text: str, source: str | None = None) -> Recipe:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError([("", f"not valid YAML or JSON{where}: {getattr(err, 'problem', err)}")], source) from None
+        raise RecipeError(
+            [("", f"not valid YAML or JSON{where}: {getattr(err, 'problem', err)}")], source
+        ) from None
     return recipe_from_dict(data, source)
 
 
