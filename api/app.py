@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/", include_in_schema=False)
     def root():
-        # The dashboard will live here; until then, point people at the API docs.
-        return RedirectResponse("/docs")
+        # People opening the service in a browser want the dashboard; the API docs are at /docs.
+        return RedirectResponse("/ui/jobs")
 
     return app
