@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,6 +57,18 @@ def test_core_lease_of_a_killed_holder_is_free_again(tmp_path):
         holder.kill()
         holder.wait()
     assert CoreLease.try_take(count, str(tmp_path)) is not None
+
+
+def test_cluster_address_nothing_answers_at_is_a_clear_error():
+    import ray
+
+    assert not ray.is_initialized()  # runs before this module's runtime starts
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+
+    with pytest.raises(ConnectionError, match=f"address=127.0.0.1:{port}: no Ray cluster answers there"):
+        RayExecutor(address=f"127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")

@@ -212,9 +212,11 @@ class RayExecutor(Executor):
 
         self._owns_runtime = False
         if not ray.is_initialized():
+            source = "address" if address else "RAY_ADDRESS"
             address = address or os.environ.get("RAY_ADDRESS") or None
             quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
             if address:
+                _check_reachable(address, source)
                 ray.init(address=address, **quiet)
             else:
                 # "local", not None: Ray would otherwise join whatever `ray start` last ran on this
@@ -402,6 +404,20 @@ class RayExecutor(Executor):
         if self._owns_runtime and ray.is_initialized():
             ray.shutdown()
             self._owns_runtime = False
+
+
+def _check_reachable(address: str, source: str) -> None:
+    """Fail fast on a cluster address nothing answers at: Ray itself retries for minutes."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return  # "auto", "ray://..." and the like: Ray resolves them
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as err:
+        raise ConnectionError(
+            f"{source}={address}: no Ray cluster answers there ({err.strerror or err}); start one with "
+            "`ray start --head`, fix the address, or unset RAY_ADDRESS to run trials on a local Ray runtime"
+        ) from None
 
 
 def _first_lines(err: BaseException, lines: int = 4) -> str:
