@@ -306,6 +306,13 @@ class RayExecutor(Executor):
 
     def _advance(self, trial: _Trial) -> TrialResult | None:
         """Read the next item the trial's task produced; a TrialResult once it is over."""
+        result = self._read(trial)
+        if result is not None and trial.where:
+            # Ray's resource view may count the trial a moment longer (see _slots_now).
+            self._ended.append((trial.where["ray_node_id"], trial.resource, trial.amount, time.monotonic()))
+        return result
+
+    def _read(self, trial: _Trial) -> TrialResult | None:
         import ray
         from ray.exceptions import OutOfMemoryError, RayError, RayTaskError, TaskCancelledError
 
@@ -324,7 +331,14 @@ class RayExecutor(Executor):
         except RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else err
             kind = "cancelled" if isinstance(cause, TaskCancelledError) else type(cause).__name__
-            return _error(trial.spec, kind, f"the Ray task failed: {_first_lines(err, 12)}", trial.where)
+            hint = ""
+            if isinstance(cause, ImportError):
+                hint = (
+                    "\nInstall this package (training-tuner, same version as the driver) on every Ray node."
+                )
+            return _error(
+                trial.spec, kind, f"the Ray task failed: {_first_lines(err, 12)}{hint}", trial.where
+            )
         except RayError as err:  # WorkerCrashedError, NodeDiedError, OwnerDiedError, ...
             return _error(
                 trial.spec, "worker_died", f"{type(err).__name__}: {_first_lines(err)}", trial.where
@@ -355,9 +369,6 @@ class RayExecutor(Executor):
                 if result is not None:
                     del self._running[trial.spec.tag]
                     out.append(result)
-                    if trial.where:
-                        node = trial.where["ray_node_id"]
-                        self._ended.append((node, trial.resource, trial.amount, time.monotonic()))
         return out
 
     def running(self) -> list[str]:
