@@ -8,7 +8,13 @@ Placement decisions:
   Ray's queue forever. Placement groups across nodes are not used for the same reason.
 - GPUs and NPUs are kept apart by Ray itself (`num_gpus`, `resources={"NPU": n}` set the visible
   devices). Ray does not pin CPU tasks to cores, so a CPU trial leases its cores from lock files
-  (`CoreLease`) and `run_trial` pins its ranks to them.
+  (`CoreLease`, one directory per host: $TUNER_CORE_LEASE_DIR or /tmp/tuner-core-leases-<uid>) and
+  `run_trial` pins its ranks to them.
+- A worker or node that dies mid-trial makes that trial an error result ("worker_died"); Ray's
+  retries are off, so no trial is measured twice or reported twice.
+- cancel() (and Ctrl-C, through close()) first asks each task to stop, and a task ends only after its
+  trial's processes are gone; a worker still running after CANCEL_GRACE_S is force-killed, and the
+  trial's launcher and ranks follow it through their parent-death signals.
 """
 
 from __future__ import annotations
