@@ -350,3 +350,29 @@ def study_name_of(recipe) -> str:
     from tuner.study import study_name
 
     return study_name(recipe, fingerprint("cpu"))
+
+
+class RacingExecutor(FakeExecutor):
+    """Offers a slot, then refuses the first submit: another driver on the cluster took it."""
+
+    def __init__(self):
+        super().__init__()
+        self.refused = 0
+
+    def submit(self, spec: TrialSpec) -> None:
+        if self.refused == 0:
+            self.refused += 1
+            raise RuntimeError("no free CPU slot")
+        super().submit(spec)
+
+
+def test_a_slot_taken_between_free_slots_and_submit_requeues_the_config(tune, url):
+    ex = RacingExecutor()
+    summary = tune(make_recipe("race"), ex, trials=4)
+    trials = trials_of(summary, url)
+    refused = [t for t in trials if str(t.user_attrs.get("cancelled", "")).startswith("not started")]
+    assert len(refused) == 1 and ex.refused == 1
+    # The refused config (the baseline, asked first) still runs, and the budget counts 4 real trials.
+    complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert any(t.params == refused[0].params for t in complete)
+    assert len([t for t in trials if t.state.is_finished() and not t.user_attrs.get("cancelled")]) == 4

@@ -292,7 +292,16 @@ class _Driver:
             if v.estimated_peak_mem_bytes is not None:
                 trial.set_user_attr("estimated_peak_mem_bytes", v.estimated_peak_mem_bytes)
             spec = self._spec(config, str(trial.number), v.estimated_peak_mem_bytes, v.memory_budget_bytes)
-            self.executor.submit(spec)
+            try:
+                self.executor.submit(spec)
+            except RuntimeError as err:
+                # A shared cluster can take the slot `free_slots` offered before we submit. The
+                # trial never ran: release it like a cancelled one and ask for its config again.
+                trial.set_user_attr("cancelled", f"not started: {err}")
+                self.study.tell(trial, state=TrialState.FAIL)
+                self.study.enqueue_trial(trial.params, user_attrs={"role": role or "retry"})
+                time.sleep(HEARTBEAT_INTERVAL_S / 5)
+                return
             self.pending[spec.tag] = _Pending(trial, config, spec)
 
     def _measured_twin(self, key: str) -> int | None:
