@@ -38,12 +38,14 @@ def tiny_spec(
     )
 
 
-def start_ray_runtime():
+def start_ray_runtime(num_gpus: int = 0):
+    """A local Ray runtime of RAY_CPUS CPUs; `num_gpus` declares GPUs Ray hands out (none need exist)."""
     import ray
 
     ray.init(
         address="local",
         num_cpus=RAY_CPUS,
+        num_gpus=num_gpus,
         include_dashboard=False,
         logging_level=logging.ERROR,
         log_to_driver=False,

@@ -73,7 +73,7 @@ def test_cluster_address_nothing_answers_at_is_a_clear_error():
 
 @pytest.fixture(scope="module")
 def executor(tmp_path_factory):
-    ray = start_ray_runtime()
+    ray = start_ray_runtime(num_gpus=1)  # a declared GPU: Ray's bookkeeping works without the device
     ex = RayExecutor(lease_dir=str(tmp_path_factory.mktemp("leases")))
     yield ex
     ex.close()
@@ -83,19 +83,37 @@ def executor(tmp_path_factory):
 @pytest.mark.slow
 def test_trial_bigger_than_any_node_comes_back_unschedulable(executor, tmp_path):
     too_many = tiny_spec(tmp_path, "too-many-cores", ranks=RAY_CPUS + 1)
-    no_gpu = dataclasses.replace(tiny_spec(tmp_path, "no-gpu"), family="cuda")
+    two_gpus = dataclasses.replace(tiny_spec(tmp_path, "two-gpus", ranks=2), family="cuda")
 
-    for spec in (too_many, no_gpu):
+    for spec in (too_many, two_gpus):
         assert executor.free_slots(spec) >= 1  # a study must not wait forever for it
         executor.submit(spec)
-    results = {r.tag: r for r in collect(executor, {"too-many-cores", "no-gpu"}, timeout_s=10)}
+    results = {r.tag: r for r in collect(executor, {"too-many-cores", "two-gpus"}, timeout_s=10)}
 
     assert results["too-many-cores"].status == "error"
     assert results["too-many-cores"].error_kind == "unschedulable"
     assert f"needs {RAY_CPUS + 1} CPU on one node" in results["too-many-cores"].error
     assert f"largest node has {RAY_CPUS} CPU" in results["too-many-cores"].error
-    assert "largest node has 0 GPU" in results["no-gpu"].error
+    assert "needs 2 GPU on one node" in results["two-gpus"].error
+    assert "largest node has 1 GPU" in results["two-gpus"].error
     assert executor.running() == []
+
+
+@pytest.mark.slow
+def test_gpu_trial_reserves_its_gpu_and_is_told_which(executor, tmp_path):
+    gpu_trial = dataclasses.replace(tiny_spec(tmp_path, "gpu"), family="cuda")
+
+    assert executor.free_slots(gpu_trial) == 1
+    executor.submit(gpu_trial)
+    assert executor.free_slots(gpu_trial) == 0  # the one GPU is taken, even before the task starts
+    assert executor.free_slots(tiny_spec(tmp_path, "cpu")) == RAY_CPUS  # a GPU trial holds no core
+    [result] = collect(executor, {"gpu"})
+
+    # This machine has no CUDA, so the trial fails in its ranks, but on the GPU Ray reserved for it.
+    assert result.status == "error"
+    assert result.extra["accelerator_ids"] == {"GPU": ["0"]}
+    assert result.extra["cores"] is None  # no core lease: the GPU is what it owns
+    assert result.error.startswith("rank 0")  # the failure is the trial's own, reported as a result
 
 
 @pytest.mark.slow
