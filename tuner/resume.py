@@ -30,7 +30,8 @@ def new_owner() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
 
 
-def _pid_dead(pid: int) -> bool:
+def pid_dead(pid: int) -> bool:
+    """Whether process `pid` of this host is gone (or a zombie nobody reaped)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -49,7 +50,7 @@ def owner_alive(owner: dict[str, Any] | None, heartbeat: float | None, started: 
     On this host a dead pid settles it at once (a restart right after kill -9 need not wait);
     elsewhere, a heartbeat older than STALE_AFTER_S does.
     """
-    if owner and owner.get("host") == socket.gethostname() and _pid_dead(owner.get("pid", -1)):
+    if owner and owner.get("host") == socket.gethostname() and pid_dead(owner.get("pid", -1)):
         return False
     last = heartbeat if heartbeat is not None else started
     return time.time() - last < STALE_AFTER_S

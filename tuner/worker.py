@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, database_url, session_scope, utcnow
+from tuner.resume import pid_dead
 
 log = logging.getLogger("tuner.worker")
 
@@ -31,22 +32,12 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def worker_is_dead(
     worker_id: str | None, heartbeat: dt.datetime, now: dt.datetime, stale_after_s: float
 ) -> bool:
     host, _, rest = (worker_id or "").partition(":")
     pid = rest.partition(":")[0]
-    if host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid)):
+    if host == socket.gethostname() and pid.isdigit() and pid_dead(int(pid)):
         return True
     return (now - heartbeat).total_seconds() > stale_after_s
 
