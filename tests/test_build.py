@@ -136,11 +136,17 @@ def test_summary_gives_compiled_and_eager_numbers(built):
 
 
 def test_loading_the_compile_cache_in_a_fresh_process_makes_compile_faster(built):
-    """Warm = new processes, empty inductor cache dirs, compile-cache.bin loaded first. On CPU the
-    C++ of each kernel is still compiled again (the cache holds graphs, not .so files), so the gain
-    is about 1.3-1.5x here, not the 10x seen with Triton on CUDA."""
+    """Warm = new processes, empty inductor cache dirs, compile-cache.bin loaded first.
+
+    What the cache skips is tracing, lowering and code generation, asserted in CPU seconds of the
+    rank process (steady on shared cores; the compiler's import, paid alike by both, is left out).
+    On CPU each kernel's C++ is still compiled again (the cache holds graphs and generated code,
+    not .so files) and that dominates this tiny model's compile, so the wall times (reported in the
+    summary) differ little and can flip when other processes share the 2 cores."""
     record = built["record"]
-    assert record["compile_warm_s"] < record["compile_cold_s"]
+    assert record["compile_warm_cpu_s"] < 0.75 * record["compile_cold_cpu_s"]  # measured: about 0.5
+    assert record["compile_warm_s"] > 0 and record["compile_cold_s"] > 0
+    assert any(line.startswith("C++ kernel builds") for line in record["summary"])
     warm = json.loads((built["dir"] / "config.json").read_text())["build"]["warm"]
     for rank in warm["ranks"]:
         assert rank["counters"].get("fxgraph_cache_hit", 0) > 0

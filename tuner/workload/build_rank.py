@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import statistics
 import sys
 import time
@@ -53,10 +54,46 @@ def _timed_step(train: Any, family: str) -> float:
     return time.perf_counter() - t0
 
 
+def _import_compiler() -> float:
+    """Import the compiler stack now; return the wall seconds it took.
+
+    Every process pays this once, cache or no cache (in the warm phase the cache load would pay
+    it, in the cold one the first compile), so it is kept out of both compile timings.
+    """
+    t0 = time.perf_counter()
+    import torch._dynamo  # noqa: F401
+    import torch._functorch._aot_autograd.autograd_cache  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+    return time.perf_counter() - t0
+
+
+def _cpu_s() -> tuple[float, float]:
+    """CPU seconds so far of (this process, its reaped children).
+
+    Inside the process: tracing, lowering and code generation, what compile-cache.bin lets a
+    process skip. The children are the C++ compiler runs Inductor starts for CPU kernels, which
+    the cache does not hold. Wall time of a compile swings with whatever else shares the cores;
+    CPU time barely does, so both phases report it next to the wall time.
+    """
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time(), children.ru_utime + children.ru_stime
+
+
+def _cpu_since(start: tuple[float, float]) -> dict[str, float]:
+    now = _cpu_s()
+    return {"in_process_s": now[0] - start[0], "compiler_children_s": now[1] - start[1]}
+
+
 def _cache_counters() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return {k: int(v) for k, v in counters["inductor"].items() if "cache" in k}
+
+
+def _slowest_cpu(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    return max((r["compile_cpu"] for r in ranks), key=lambda c: c["in_process_s"] + c["compiler_children_s"])
 
 
 def _gather(obj: dict[str, Any], world: int) -> list[dict[str, Any]]:
@@ -80,11 +117,12 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
     workdir = Path(spec.workdir)
     compiled = spec.config.get("compile", "none") != "none"
     mine: dict[str, Any] = {"rank": env.rank}
-    # The built config comes first: compiled graphs embed the names of the process groups they
-    # talk over, and those names follow creation order. Built first here, in the warm phase and in
-    # a job that loads the cache, the groups get the same names and the cache hits.
+    # The built config comes first, so its cold compile runs in a process in the same state as the
+    # warm phase's (nothing built before it) and the two compile timings compare.
     train = Training.from_spec(spec, env)
+    cpu0 = _cpu_s()
     first = _timed_step(train, spec.family) if compiled else None
+    mine["compile_cpu"] = _cpu_since(cpu0) if compiled else None
     times, losses = measure(train, spec, baseline)
     out = workdir / "profile"
     report = profile_steps(train, min(PROFILE_STEPS, _measured_steps(spec)), out, env.rank, spec.family)
@@ -113,6 +151,7 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
         "compiled": compiled,
         "eager": eager.public() | {"step_times": eager.step_times},
         "compile_s": max(r["compile_s"] for r in ranks) if compiled else None,
+        "compile_cpu": _slowest_cpu(ranks) if compiled else None,
         "ranks": ranks,
     }
     return result
@@ -134,15 +173,17 @@ def warm(spec: Any, env: Any) -> Any:
         blob = source.read_bytes()
     except OSError as err:
         raise FileNotFoundError(f"{source}: the cold phase saved no compile cache ({err.strerror})") from None
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     torch.compiler.load_cache_artifacts(blob)
     load_s = time.perf_counter() - t0
     train = Training.from_spec(spec, env)
     first = _timed_step(train, spec.family)
+    compile_cpu = _cpu_since(cpu0)
     rest = [_timed_step(train, spec.family) for _ in range(WARM_EXTRA_STEPS)]
     mine = {
         "rank": env.rank,
         "load_s": load_s,
+        "compile_cpu": compile_cpu,
         "compile_s": max(0.0, first - statistics.median(rest)) + load_s,
         "counters": _cache_counters(),
     }
@@ -155,7 +196,14 @@ def warm(spec: Any, env: Any) -> Any:
         step_time_s=median,
         step_times=rest,
         tag=spec.tag,
-        extra={"build": {"phase": "warm", "compile_s": max(r["compile_s"] for r in ranks), "ranks": ranks}},
+        extra={
+            "build": {
+                "phase": "warm",
+                "compile_s": max(r["compile_s"] for r in ranks),
+                "compile_cpu": _slowest_cpu(ranks),
+                "ranks": ranks,
+            }
+        },
     )
 
 
@@ -179,6 +227,8 @@ def main(spec_path: str) -> int:
             raise ValueError(f"{PHASE_ENV}={phase!r}: use cold or warm")
         env = RankEnv.from_environ()
         set_rank_threads(env, spec.config.get("cpu_affinity", "none"))
+        if spec.config.get("compile", "none") != "none":
+            _import_compiler()
         result = cold(spec, env, baseline) if phase == "cold" else warm(spec, env)
         if result is not None:
             _write_json(workdir / "result.json", result.to_dict())
