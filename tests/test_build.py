@@ -96,8 +96,9 @@ def test_archive_is_registered_and_every_checksum_matches(measured, built):
     record = built["record"]
     assert Path(record["path"]) == measured["tmp"] / "builds" / measured["study"] / "0.tar.gz"
     manifest = built["store"].verify(record["path"], sha256=record["sha256"])
-    for name in ["config.json", "launch.sh", "spec.json", "compile-cache.bin", "kernels/index.json",
-                 "profile/breakdown.json", "profile/trace-rank0.json", "profile/trace-rank1.json"]:  # fmt: skip
+    for name in ["config.json", "launch.sh", "spec.json", "compile-cache.bin", "compiled-kernels.tar",
+                 "kernels/index.json", "profile/breakdown.json", "profile/trace-rank0.json",
+                 "profile/trace-rank1.json"]:  # fmt: skip
         assert name in manifest["files"], name
     assert manifest["fingerprint"]["torch"] and manifest["device"]["family"] == "cpu"
 
@@ -135,20 +136,26 @@ def test_summary_gives_compiled_and_eager_numbers(built):
     assert ("faster" in line) != ("slower" in line)
 
 
-def test_loading_the_compile_cache_in_a_fresh_process_makes_compile_faster(built):
-    """Warm = new processes, empty inductor cache dirs, compile-cache.bin loaded first.
+def test_loading_the_build_in_a_fresh_process_makes_compile_clearly_faster(built):
+    """Warm = new processes, empty inductor cache dirs, compiled-kernels.tar unpacked into them
+    and compile-cache.bin loaded first.
 
-    What the cache skips is tracing, lowering and code generation, asserted in CPU seconds of the
+    compile-cache.bin skips tracing, lowering and code generation, asserted in CPU seconds of the
     rank process (steady on shared cores; the compiler's import, paid alike by both, is left out).
-    On CPU each kernel's C++ is still compiled again (the cache holds graphs and generated code,
-    not .so files) and that dominates this tiny model's compile, so the wall times (reported in the
-    summary) differ little and can flip when other processes share the 2 cores."""
+    compiled-kernels.tar skips the C++ builds of the CPU kernels, which dominate this tiny model's
+    cold compile, so the warm compile is clearly faster in wall time too."""
     record = built["record"]
     assert record["compile_warm_cpu_s"] < 0.75 * record["compile_cold_cpu_s"]  # measured: about 0.5
-    assert record["compile_warm_s"] > 0 and record["compile_cold_s"] > 0
-    assert any(line.startswith("C++ kernel builds") for line in record["summary"])
-    warm = json.loads((built["dir"] / "config.json").read_text())["build"]["warm"]
-    for rank in warm["ranks"]:
+    # Measured 0.13-0.15 (cold 30-34 s, warm 4-5 s); the bound leaves room for shared cores.
+    assert 0 < record["compile_warm_s"] < 0.4 * record["compile_cold_s"], record["summary"]
+    config = json.loads((built["dir"] / "config.json").read_text())["build"]
+    cpu = config["compile_cpu"]
+    assert cpu["warm"]["compiler_children_s"] < 0.2 * cpu["cold"]["compiler_children_s"]  # measured: 0.06
+    assert any(
+        line.startswith("C++ kernel builds") and "machine-specific" in line for line in record["summary"]
+    )
+    for rank in config["warm"]["ranks"]:
+        assert rank["kernels_unpacked"] > 0
         assert rank["counters"].get("fxgraph_cache_hit", 0) > 0
         assert rank["counters"].get("fxgraph_cache_miss", 0) == 0
 
@@ -162,6 +169,8 @@ def test_launch_sh_reproduces_the_trials_throughput(measured, built):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "tokens/s" in run.stdout + run.stderr  # rank 0 prints the result
+    # The build's compiled kernels are where the run's TORCHINDUCTOR_CACHE_DIR points.
+    assert list((built["dir"] / "run" / "inductor").glob("*/*.so"))
     result = json.loads((built["dir"] / "run" / "result.json").read_text())
     references = [measured["result"].tokens_per_s, built["record"]["eager_tokens_per_s"]]
     assert any(ref / 2 < result["tokens_per_s"] < ref * 2 for ref in references), (result, references)

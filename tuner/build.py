@@ -1,6 +1,7 @@
 """The build of a trial's config: compile it in its own process group, collect the fused kernels
-Inductor generated, the portable compile cache, a profile and a launch script, and store the lot as
-one checked archive (`builds/<study>/<trial>.tar.gz`) registered in the builds table."""
+Inductor generated, the portable compile cache, the compiled CPU kernels, a profile and a launch
+script, and store the lot as one checked archive (`builds/<study>/<trial>.tar.gz`) registered in
+the builds table."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import tarfile
 import tempfile
 import threading
 import time
@@ -26,6 +28,7 @@ from tuner.recipe import Recipe
 from tuner.result import RESULT_KEYS, TrialResult, TrialSpec
 
 RANK_MODULE = "tuner.workload.build_rank"
+KERNELS_TAR = "compiled-kernels.tar"
 # Environment of the measured run that changes its speed; launch.sh exports what is set here.
 _LAUNCH_ENV = re.compile(
     r"^(OMP_NUM_THREADS|MKL_NUM_THREADS|CUDA_VISIBLE_DEVICES|ASCEND_RT_VISIBLE_DEVICES|"
@@ -299,9 +302,38 @@ def collect_kernels(inductor_dir: Path, dest: Path, rank: int) -> list[dict[str,
     return entries
 
 
-def _launch_script(trial: int, study: str, world: int, tokens: float | None, device: str) -> str:
+def pack_compiled_kernels(inductor_dirs: list[Path], dest: Path) -> int:
+    """Tar the C++ kernels Inductor compiled (`<hash dir>/<name>.so` and the `.cpp` it was built
+    from) out of the ranks' cache dirs; return how many .so files went in.
+
+    compile-cache.bin holds graphs and generated code, not these, so without them a warm start
+    rebuilds every CPU kernel. Ranks that compiled the same source share one file (the name is
+    the source's hash).
+    """
+    seen: set[str] = set()
+    with tarfile.open(dest, "w") as tar:
+        for cache in inductor_dirs:
+            for so in sorted(cache.glob("*/*.so")):
+                for path in (so.with_suffix(".cpp"), so):
+                    name = path.relative_to(cache).as_posix()
+                    if path.is_file() and name not in seen:
+                        seen.add(name)
+                        tar.add(path, arcname=name)
+    return sum(name.endswith(".so") for name in seen)
+
+
+def _launch_script(
+    trial: int, study: str, world: int, tokens: float | None, device: str, compiled: bool = False
+) -> str:
     env = {k: v for k, v in sorted(os.environ.items()) if _LAUNCH_ENV.match(k)}
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) or "# (none set)\n"
+    if compiled:
+        exports += f"""# The build's compiler output, so a compile starts warm: compiled CPU kernels (machine-specific:
+# they load only with the CPU, compiler and torch of the build) and the portable compile cache.
+if [ -f {KERNELS_TAR} ]; then mkdir -p run/inductor && tar -xf {KERNELS_TAR} -C run/inductor; fi
+export TORCHINDUCTOR_CACHE_DIR="$PWD/run/inductor"
+if [ -f compile-cache.bin ]; then export TUNER_COMPILE_CACHE="$PWD/compile-cache.bin"; fi
+"""
     measured = f"{tokens:,.0f} tokens/s" if tokens else "its throughput"
     return f"""#!/usr/bin/env bash
 # Reproduces trial {trial} of study {study}: the measured config ({measured} on {device}).
@@ -326,7 +358,8 @@ def _speed_line(compiled: float | None, eager: float | None, mode: str) -> str:
 
 
 def _collect_compiled(cold: Path, stage: Path, world: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Every rank's kernels into stage/kernels (and their index), and the compile caches."""
+    """Every rank's kernels into stage/kernels (and their index), the compile caches and the
+    compiled kernels' tar."""
     (stage / "kernels").mkdir()
     index: list[dict[str, Any]] = []
     caches: dict[str, str] = {}
@@ -341,6 +374,8 @@ def _collect_compiled(cold: Path, stage: Path, world: int) -> tuple[list[dict[st
         caches[f"rank{r}"] = "compile-cache.bin" if r == 0 or same else f"compile-cache-rank{r}.bin"
         shutil.copy(blob, stage / caches[f"rank{r}"])
     (stage / "kernels" / "index.json").write_text(json.dumps(index, indent=1))
+    if (cold / KERNELS_TAR).is_file():
+        shutil.copy(cold / KERNELS_TAR, stage / KERNELS_TAR)
     return index, caches
 
 
@@ -356,7 +391,7 @@ def _summary_lines(
     mode: str | None,
     index: list[dict[str, Any]],
     note: str | None,
-    cxx: tuple[float, float] | None = None,
+    cxx: tuple[float, float, int] | None = None,
 ) -> list[str]:
     """What the build found, in sentences: the CLI prints them, config.json keeps them."""
     lines = [
@@ -372,11 +407,18 @@ def _summary_lines(
     if warm_s is not None:
         cold_cpu, warm_cpu = record.compile_cold_cpu_s or 0.0, record.compile_warm_cpu_s or 0.0
         lines.append(
-            f"compile time: cold {cold_s:.1f}s, warm from compile-cache.bin {warm_s:.1f}s "
+            f"compile time: cold {cold_s:.1f}s, warm from compile-cache.bin"
+            f"{f' and {KERNELS_TAR}' if cxx and cxx[2] else ''} {warm_s:.1f}s "
             f"({_ratio(cold_s, warm_s)}); tracing and code generation {cold_cpu:.1f} -> {warm_cpu:.1f} "
             f"CPU s ({_ratio(cold_cpu, warm_cpu)})"
         )
-        if cxx:
+        if cxx and cxx[2]:
+            lines.append(
+                f"C++ kernel builds {cxx[0]:.1f} -> {cxx[1]:.1f} CPU s: {KERNELS_TAR} holds the {cxx[2]} "
+                "compiled CPU kernels (.so); machine-specific like Triton cubins on CUDA: they load "
+                "only with the CPU, C++ compiler and torch of this build"
+            )
+        elif cxx:
             lines.append(
                 f"C++ kernel builds {cxx[0]:.1f} -> {cxx[1]:.1f} CPU s: the cache holds graphs and "
                 "generated code, not compiled CPU kernels, so a warm start still builds them"
@@ -459,11 +501,15 @@ def build_trial(
     say(1, 5, what)
     cold = _run_phase(spec, {"TUNER_BUILD_PHASE": "cold"}, deadline, "cold build phase")
     info = cold.extra["build"]
-    warm_s, warm_note, warm_info = None, None, None
+    warm_s, warm_note, warm_info, n_so = None, None, None, 0
     if compiled:
-        say(2, 5, "compiling again in a fresh process from compile-cache.bin (warm)")
+        say(2, 5, f"compiling again in a fresh process from compile-cache.bin and {KERNELS_TAR} (warm)")
+        inductor = [work / "cold" / "inductor" / f"rank{r}" for r in range(config.world_size)]
+        n_so = pack_compiled_kernels(inductor, work / "cold" / KERNELS_TAR)
         warm_spec = dataclasses.replace(spec, workdir=str(work / "warm"))
         env = {"TUNER_BUILD_PHASE": "warm", "TUNER_BUILD_CACHE": str(work / "cold" / "cache")}
+        if n_so:
+            env["TUNER_BUILD_KERNELS"] = str(work / "cold" / KERNELS_TAR)
         try:
             warm_info = _run_phase(warm_spec, env, deadline, "warm build phase").extra["build"]
             warm_s = warm_info["compile_s"]
@@ -494,7 +540,9 @@ def build_trial(
     (stage / "spec.json").write_text(json.dumps(launch_spec.to_dict(), indent=1))
     launch = stage / "launch.sh"
     launch.write_text(
-        _launch_script(number, study, config.world_size, measured.get("tokens_per_s"), device.name)
+        _launch_script(
+            number, study, config.world_size, measured.get("tokens_per_s"), device.name, bool(caches)
+        )
     )
     launch.chmod(0o755)
     (stage / "logs").mkdir()
@@ -503,7 +551,11 @@ def build_trial(
             shutil.copy(work / phase / "trial.log", stage / "logs" / f"{phase}.log")
     cxx = None
     if info.get("compile_cpu") and warm_info and family == "cpu":
-        cxx = (info["compile_cpu"]["compiler_children_s"], warm_info["compile_cpu"]["compiler_children_s"])
+        cxx = (
+            info["compile_cpu"]["compiler_children_s"],
+            warm_info["compile_cpu"]["compiler_children_s"],
+            n_so,
+        )
     lines = _summary_lines(
         record, measured, built.compile if compiled else None, index, warm_note or no_kernels, cxx
     )
@@ -533,6 +585,7 @@ def build_trial(
                     },
                     "warm": warm_info,
                     "compile_cache": caches,
+                    "compiled_kernels": {"file": KERNELS_TAR, "shared_objects": n_so} if n_so else None,
                     "kernels_not_produced": no_kernels,
                     "breakdown": cold.breakdown,
                     "summary": lines,

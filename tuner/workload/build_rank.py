@@ -5,8 +5,10 @@ trial's rank. TUNER_BUILD_PHASE picks the phase:
   portable cache (`torch.compiler.save_cache_artifacts`) to `{workdir}/cache/rank{r}.bin`; then
   measure the same config eager (compile=none) for comparison. Inductor writes its generated
   kernels under `{workdir}/inductor/rank{r}` (TORCHINDUCTOR_CACHE_DIR); the build collects them.
-- `warm`: a fresh process with an empty inductor cache dir loads the cache saved by the cold phase
-  (from the directory TUNER_BUILD_CACHE names) before compiling, and times the compile again.
+- `warm`: a fresh process with an empty inductor cache dir unpacks the cold phase's compiled CPU
+  kernels (the tar TUNER_BUILD_KERNELS names, when set) into it and loads the cache saved by the
+  cold phase (from the directory TUNER_BUILD_CACHE names) before compiling, and times the compile
+  again.
 
 Rank 0 writes `result.json` (a TrialResult; the build's numbers in `extra["build"]`), a failing rank
 writes `rank{r}.error.json`, the same protocol as `tuner.workload`, so `run_trial` supervises it.
@@ -25,6 +27,7 @@ from typing import Any
 
 PHASE_ENV = "TUNER_BUILD_PHASE"
 CACHE_ENV = "TUNER_BUILD_CACHE"
+KERNELS_ENV = "TUNER_BUILD_KERNELS"
 # Steps after the compiling one in the warm phase: enough for a median to subtract from the
 # first step, few because the warm phase is about compile time, not throughput.
 WARM_EXTRA_STEPS = 2
@@ -161,8 +164,19 @@ def _measured_steps(spec: Any) -> int:
     return int(spec.recipe.get("measure", {}).get("steps", 5))
 
 
+def unpack_kernels(archive: Path, cache_dir: Path) -> int:
+    """Unpack compiled kernels (`<hash dir>/<name>.so` and its `.cpp`) into an inductor cache dir,
+    where Inductor finds a kernel's .so by the hash of its source and skips the C++ build."""
+    import tarfile
+
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        tar.extractall(cache_dir, filter="data")
+    return sum(m.name.endswith(".so") for m in members)
+
+
 def warm(spec: Any, env: Any) -> Any:
-    """Load the cold phase's cache for this rank, then compile and time it again."""
+    """Unpack the cold phase's kernels, load its cache for this rank, then compile and time it again."""
     import torch
 
     from tuner.result import TrialResult
@@ -174,6 +188,8 @@ def warm(spec: Any, env: Any) -> Any:
     except OSError as err:
         raise FileNotFoundError(f"{source}: the cold phase saved no compile cache ({err.strerror})") from None
     t0, cpu0 = time.perf_counter(), _cpu_s()
+    kernels = os.environ.get(KERNELS_ENV)
+    unpacked = unpack_kernels(Path(kernels), Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])) if kernels else 0
     torch.compiler.load_cache_artifacts(blob)
     load_s = time.perf_counter() - t0
     train = Training.from_spec(spec, env)
@@ -182,7 +198,8 @@ def warm(spec: Any, env: Any) -> Any:
     rest = [_timed_step(train, spec.family) for _ in range(WARM_EXTRA_STEPS)]
     mine = {
         "rank": env.rank,
-        "load_s": load_s,
+        "load_s": load_s,  # unpacking the kernels and loading the cache
+        "kernels_unpacked": unpacked,
         "compile_cpu": compile_cpu,
         "compile_s": max(0.0, first - statistics.median(rest)) + load_s,
         "counters": _cache_counters(),

@@ -7,6 +7,10 @@ them to make a trial slow or fail on purpose):
 - `TUNER_TEST_FAULT=raise|hang|segfault|alloc:<MiB>`: in the first step, raise a RuntimeError,
   sleep forever, die of SIGSEGV, or allocate and hold that many MiB (trips the memory budget).
 - `TUNER_TEST_FAULT_RANK=<rank>`: the rank the fault hits (default 0).
+
+Build hook (a build's launch.sh sets it, next to TORCHINDUCTOR_CACHE_DIR):
+- `TUNER_COMPILE_CACHE=<file>`: load this portable compile cache (a build's compile-cache.bin, from
+  `torch.compiler.save_cache_artifacts`) once, before the model is compiled.
 """
 
 from __future__ import annotations
@@ -124,6 +128,9 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
     """Run this rank's part of the trial; rank 0 returns the result, the others None."""
     config = spec.config
     set_rank_threads(env, config.get("cpu_affinity", "none"))
+    cache = os.environ.get("TUNER_COMPILE_CACHE")
+    if cache:
+        torch.compiler.load_cache_artifacts(Path(cache).read_bytes())
     train = Training.from_spec(spec, env)
     if env.rank == 0:
         print(f"trial {spec.tag or '-'}: {env.world_size} ranks, {torch.get_num_threads()} threads/rank, "
