@@ -69,9 +69,21 @@ class Table:
     devices: int
 
     @classmethod
-    def load(cls, path: str) -> Table:
+    def load(cls, path: str, memory_budget_gb: float | None = None) -> Table:
+        """Read a table; `memory_budget_gb` re-judges it under a tighter budget than it was
+        measured with: a config whose measured peak exceeds it counts as oom, costing its full
+        measured wall time (a real over-budget trial stops after its first step, so this
+        overstates what running an OOM config costs)."""
         header, rows = read_table(path)
-        recipe = recipe_from_dict(json.loads(header["recipe"]))
+        doc = json.loads(header["recipe"])
+        if memory_budget_gb is not None:
+            doc["hardware"]["memory_budget_gb"] = memory_budget_gb
+            limit = memory_budget_gb * 2**30
+            for r in rows:
+                if r["status"] == "ok" and float(r["peak_mem_allocated_bytes"] or 0) > limit:
+                    r["status"] = "oom"
+                    r["error"] = f"measured peak over the {memory_budget_gb} GiB budget"
+        recipe = recipe_from_dict(doc)
         by_key = {r["key"]: r for r in rows}
         ok = [float(r["tokens_per_s"]) for r in rows if r["status"] == "ok" and r["tokens_per_s"]]
         walls = [float(r["wall_s"]) for r in rows if r["wall_s"]]
@@ -302,8 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--json", action="store_true", help="one JSON object per strategy")
     ap.add_argument("--png", default=None, help="draw median regret curves to this PNG")
+    ap.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="judge the table under this per-device budget instead of the one it was measured with",
+    )
     args = ap.parse_args(argv)
-    table = Table.load(args.table)
+    table = Table.load(args.table, args.memory_budget_gb)
     unknown = set(args.strategies.split(",")) - set(STRATEGIES)
     if unknown:
         ap.error(f"--strategies: unknown {', '.join(sorted(unknown))}; choose from {', '.join(STRATEGIES)}")
