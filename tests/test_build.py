@@ -176,6 +176,27 @@ def test_launch_sh_reproduces_the_trials_throughput(measured, built):
     assert any(ref / 2 < result["tokens_per_s"] < ref * 2 for ref in references), (result, references)
 
 
+def test_launch_sh_of_a_compiling_config_uses_the_builds_kernels(built, tmp_path):
+    """The built config (compile=default) launched from a copy of the build: its ranks find every
+    compiled kernel in the unpacked compiled-kernels.tar, so none is rebuilt (a rebuild rewrites
+    the .so, and its mtime would differ from the one in the tar)."""
+    import shutil
+    import tarfile
+
+    d = shutil.copytree(built["dir"], tmp_path / "build", ignore=shutil.ignore_patterns("run"))
+    spec = json.loads((d / "spec.json").read_text())
+    spec["config"]["compile"] = "default"
+    (d / "spec.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(d / "launch.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with tarfile.open(d / "compiled-kernels.tar") as tar:
+        shipped = {m.name: int(m.mtime) for m in tar.getmembers() if m.name.endswith(".so")}
+    cache = d / "run" / "inductor"
+    found = {p.relative_to(cache).as_posix(): int(p.stat().st_mtime) for p in cache.glob("*/*.so")}
+    assert shipped and found == shipped
+
+
 def test_damaged_build_is_detected(measured, built):
     record = built["record"]
     copy = measured["tmp"] / "damaged.tar.gz"
