@@ -376,3 +376,49 @@ def test_a_slot_taken_between_free_slots_and_submit_requeues_the_config(tune, ur
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert any(t.params == refused[0].params for t in complete)
     assert len([t for t in trials if t.state.is_finished() and not t.user_attrs.get("cancelled")]) == 4
+
+
+class PeakyExecutor(FakeExecutor):
+    """Measures peaks `ratio` times what the estimator predicted (the CPU estimator's usual gap)."""
+
+    def __init__(self, ratio: float):
+        super().__init__()
+        self.ratio = ratio
+
+    def wait(self, timeout: float | None = None) -> list[TrialResult]:
+        specs = dict(self._running)
+        out = super().wait(timeout)
+        for r in out:
+            peak = int(specs[r.tag].estimated_peak_mem_bytes * self.ratio)
+            r.peak_mem_allocated_bytes = r.peak_mem_reserved_bytes = peak
+        return out
+
+
+def test_measured_peaks_calibrate_the_oom_check(tune, url):
+    recipe = make_recipe(
+        "calibrate", overrides={**NARROW, "micro_batch_size": [1, 2, 8], "attention": ["flash", "math"]}
+    )
+    big = Config(micro_batch_size=8, dp=2, amp="O1", attention="flash")
+    # The raw estimate of micro-batch 8 sits just inside the budget's margin: it would run.
+    budget = estimate(recipe, big, CPU).peak_mem_bytes / (1 + OOM_MARGIN) * 1.02
+    hardware = {"device": "cpu", "devices": 2, "memory_budget_gb": budget / 2**30}
+    recipe = recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update=hardware)})
+    assert verdict(big, recipe, CPU).reason is None
+    ex = PeakyExecutor(ratio=1.3)
+    summary = tune(recipe, ex, trials=10)
+    trials = trials_of(summary, url)
+    calibrated = [t for t in trials if "as measured peaks ran" in t.user_attrs.get("pruned_reason", "")]
+    assert calibrated, [t.user_attrs.get("pruned_reason") for t in trials]
+    assert all(t.params["micro_batch_size"] == 8 for t in calibrated)
+    assert max(t.user_attrs.get("estimator_calibration", 1) for t in trials) == pytest.approx(1.3, rel=0.01)
+    # Only the baseline, asked before anything was measured, ran at micro-batch 8.
+    assert sum(Config(**s.config).micro_batch_size == 8 for s in ex.submitted) == 1
+
+
+def test_calibration_factor_is_the_median_ratio_once_enough_trials_ran():
+    from tuner.prune import calibration_factor
+
+    assert calibration_factor([(120, 100), (130, 100)]) == 1.0  # too few to trust
+    assert calibration_factor([(120, 100), (130, 100), (200, 100)]) == pytest.approx(1.3)
+    assert calibration_factor([(900, 100)] * 3) == 2.0  # bounded
+    assert calibration_factor([(0, 100), (None, 100), (120, 0)] * 2) == 1.0  # nothing measured

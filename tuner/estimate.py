@@ -70,9 +70,10 @@ def budget_bytes(recipe: Recipe, device: DeviceInfo) -> int:
     return device.memory_bytes
 
 
-def predicts_oom(est: Estimate, budget: int, margin: float = 0.15) -> bool:
-    """True when the estimate exceeds the budget by more than `margin` (the estimator's error)."""
-    return est.peak_mem_bytes > budget * (1 + margin)
+def predicts_oom(est: Estimate, budget: int, margin: float = 0.15, calibration: float = 1.0) -> bool:
+    """True when the estimate, scaled by `calibration` (measured/estimated peaks seen so far),
+    exceeds the budget by more than `margin` (the estimator's error)."""
+    return est.peak_mem_bytes * calibration > budget * (1 + margin)
 
 
 def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:

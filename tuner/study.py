@@ -24,7 +24,7 @@ from tuner.config import Config
 from tuner.devices import describe, resolve_family
 from tuner.executors.base import Executor
 from tuner.fingerprint import fingerprint, fingerprint_hash
-from tuner.prune import verdict
+from tuner.prune import calibration_factor, verdict
 from tuner.recipe import Recipe
 from tuner.result import RESULT_KEYS, TrialResult, TrialSpec
 from tuner.resume import HEARTBEAT_KEY, OWNER_KEY, new_owner, recover_dead_trials, warm_start_configs
@@ -112,6 +112,7 @@ class _Driver:
         self.multi = recipe.search.objective == "throughput_memory"
         self.owner = new_owner()
         self.pending: dict[str, _Pending] = {}
+        self.calibration = 1.0  # measured/estimated peak memory so far (see _refresh)
         self.workdir = Path(opts["workdir"] or "runs") / self.name
         self.progress: Progress = opts["progress"] or (lambda _event: None)
         self.should_stop = opts["should_stop"] or (lambda: False)
@@ -180,6 +181,13 @@ class _Driver:
             if t.state in (TrialState.COMPLETE, TrialState.FAIL) and "status" in t.user_attrs
         }
         ok = [t.user_attrs.get("tokens_per_s") for t in self.finished if t.state == TrialState.COMPLETE]
+        self.calibration = calibration_factor(
+            [
+                (t.user_attrs.get("peak_mem_allocated_bytes"), t.user_attrs.get("estimated_peak_mem_bytes"))
+                for t in self.finished
+                if t.state == TrialState.COMPLETE
+            ]
+        )
         self.best = max((v for v in ok if v is not None), default=None)
         return trials
 
@@ -281,7 +289,8 @@ class _Driver:
         key = config.key()
         trial.set_user_attr("config_key", key)
         self._event("trial_started", trial=trial.number, config=config.active_params(), role=role)
-        v = verdict(config, self.recipe, self.device)
+        v = verdict(config, self.recipe, self.device, self.calibration)
+        trial.set_user_attr("estimator_calibration", round(self.calibration, 4))
         duplicate = self._measured_twin(key)
         if v.reason is not None:
             self._prune(trial, config, v.reason)
