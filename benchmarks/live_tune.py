@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             r = event["result"]
             done.append(event)
             print(
-                f"  trial {event['trial']:>3} {r['status']:>7} {r['tokens_per_s'] or 0:>9.0f} tok/s "
+                f"  trial {event['trial']:>3} {r.get('status', '?'):>7} {r.get('tokens_per_s') or 0:>9.0f} tok/s "
                 f"(best {event['best_tokens_per_s'] or 0:.0f})",
                 file=sys.stderr,
                 flush=True,
