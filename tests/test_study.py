@@ -422,3 +422,14 @@ def test_calibration_factor_is_the_median_ratio_once_enough_trials_ran():
     assert calibration_factor([(120, 100), (130, 100), (200, 100)]) == pytest.approx(1.3)
     assert calibration_factor([(900, 100)] * 3) == 2.0  # bounded
     assert calibration_factor([(0, 100), (None, 100), (120, 0)] * 2) == 1.0  # nothing measured
+
+
+def test_a_baseline_that_runs_out_of_memory_falls_back_to_the_next_smaller_micro_batch(tune, url):
+    # The estimator's largest micro-batch (8) fits on paper but runs out of memory on the device.
+    ex = FakeExecutor(fail_on=lambda c: "oom" if c.micro_batch_size >= 8 else None)
+    recipe = make_recipe("fallback", overrides={**NARROW, "micro_batch_size": [2, 4, 8]})
+    summary = tune(recipe, ex, trials=5)
+    baselines = [t for t in trials_of(summary, url) if t.user_attrs.get("role") == "baseline"]
+    assert [t.params["micro_batch_size"] for t in baselines][:2] == [8, 4]
+    assert summary.baseline["config"]["micro_batch_size"] == 4
+    assert summary.speedup is not None

@@ -361,10 +361,21 @@ class _Driver:
         self.measured[p.config.key()] = trial.number
         if ok and (before is None or result.tokens_per_s > before):
             self.best = result.tokens_per_s
+        if result.status == "oom":
+            self._smaller_baseline(trial.user_attrs.get("role"), p.config)
         fields = {"trial": trial.number, "config": p.config.active_params(), "result": result.public()}
         self._event("trial_finished", **fields, best_tokens_per_s=self.best)
         if self.best != before:
             self._event("new_best", **fields, best_tokens_per_s=self.best)
+
+    def _smaller_baseline(self, role: str | None, config: Config) -> None:
+        """The baseline is the largest micro-batch that FITS: when the estimator's pick ran out of
+        memory, try the next smaller one, as a careful user would (likewise its fp32 reference)."""
+        if role not in ("baseline", "fp32_reference"):
+            return
+        smaller = [m for m in self.space.domains["micro_batch_size"] or () if m < config.micro_batch_size]
+        if smaller:
+            self._enqueue(Config(**{**config.to_dict(), "micro_batch_size": max(smaller)}), role)
 
     def _cancel_pending(self) -> None:
         """Stop running trials; their configs go back in the queue for the next run.
