@@ -70,7 +70,12 @@ def budget_bytes(recipe: Recipe, device: DeviceInfo) -> int:
     return device.memory_bytes
 
 
-def predicts_oom(est: Estimate, budget: int, margin: float = 0.15, calibration: float = 1.0) -> bool:
+# The estimator may under-predict; a config predicted within this fraction over the budget is
+# still tried on the device rather than pruned (the study) or warned about (`tuner measure`).
+OOM_MARGIN = 0.15
+
+
+def predicts_oom(est: Estimate, budget: int, margin: float = OOM_MARGIN, calibration: float = 1.0) -> bool:
     """True when the estimate, scaled by `calibration` (measured/estimated peaks seen so far),
     exceeds the budget by more than `margin` (the estimator's error)."""
     return est.peak_mem_bytes * calibration > budget * (1 + margin)

@@ -5,16 +5,14 @@ Both cost no device time, so the study asks these first and tells the trial PRUN
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 from tuner.config import Config, infeasible_reasons
 from tuner.devices import DeviceInfo
+from tuner.estimate import OOM_MARGIN, budget_bytes, estimate, predicts_oom
 from tuner.recipe import Recipe
 
-# The estimator may under-predict; a config predicted within this fraction of the budget is
-# still tried on the device rather than pruned.
-OOM_MARGIN = 0.15
+__all__ = ["OOM_MARGIN", "Verdict", "calibration_factor", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -22,15 +20,6 @@ class Verdict:
     reason: str | None  # None: worth a device run
     estimated_peak_mem_bytes: int | None = None
     memory_budget_bytes: int | None = None
-
-
-def _estimator():
-    try:
-        return importlib.import_module("tuner.estimate")
-    except ModuleNotFoundError as err:  # the estimator is optional: no pruning without it
-        if err.name != "tuner.estimate":
-            raise
-        return None
 
 
 def calibration_factor(pairs: list[tuple[float, float]], minimum: int = 3) -> float:
@@ -57,13 +46,10 @@ def verdict(config: Config, recipe: Recipe, device: DeviceInfo, calibration: flo
     reasons = infeasible_reasons(config, recipe, device)
     if reasons:
         return Verdict("infeasible: " + "; ".join(reasons))
-    est_mod = _estimator()
-    if est_mod is None:
-        return Verdict(None)
-    est = est_mod.estimate(recipe, config, device)
-    budget = est_mod.budget_bytes(recipe, device)
+    est = estimate(recipe, config, device)
+    budget = budget_bytes(recipe, device)
     peak = int(est.peak_mem_bytes)
-    if est_mod.predicts_oom(est, budget, margin=OOM_MARGIN, calibration=calibration):
+    if predicts_oom(est, budget, calibration=calibration):
         predicted = int(peak * calibration)
         scaled = (
             f" (estimate x{calibration:.2f}, as measured peaks ran in this study)" if calibration != 1 else ""

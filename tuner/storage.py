@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 from typing import Any
@@ -10,7 +9,8 @@ from typing import Any
 import optuna
 import sqlalchemy
 
-ENV_VAR = "TUNER_DATABASE_URL"
+from tuner.db import database_url
+
 _SQLITE_BUSY_TIMEOUT_S = 60
 
 _lock = threading.Lock()
@@ -18,8 +18,10 @@ _storages: dict[str, optuna.storages.RDBStorage] = {}
 
 
 def default_storage_url() -> str:
-    """`TUNER_DATABASE_URL`, else a SQLite file `tuner.db` in the current directory."""
-    return os.environ.get(ENV_VAR) or "sqlite:///tuner.db"
+    """`TUNER_DATABASE_URL`, else a SQLite file `tuner.db` in the current directory.
+
+    Optuna's tables and the service's share one database, so this is `tuner.db.database_url`."""
+    return database_url()
 
 
 def _sqlite_path(url: str) -> str | None:
