@@ -9,45 +9,12 @@ import threading
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Column, DateTime, Float, Integer, MetaData, String, Table, Text, and_, func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from api.schemas import TrialPublic
+from tuner.optuna_tables import params, studies, study_attrs, trials, user_attrs, values  # noqa: F401
 from tuner.result import RESULT_KEYS
-
-# Only the columns we read; Optuna owns these tables and their migrations.
-_md = MetaData()
-studies = Table("studies", _md, Column("study_id", Integer), Column("study_name", String))
-trials = Table(
-    "trials",
-    _md,
-    Column("trial_id", Integer),
-    Column("number", Integer),
-    Column("study_id", Integer),
-    Column("state", String),
-    Column("datetime_start", DateTime),
-    Column("datetime_complete", DateTime),
-)
-values = Table(
-    "trial_values", _md, Column("trial_id", Integer), Column("objective", Integer), Column("value", Float)
-)
-params = Table(
-    "trial_params",
-    _md,
-    Column("trial_id", Integer),
-    Column("param_name", String),
-    Column("param_value", Float),
-    Column("distribution_json", Text),
-)
-user_attrs = Table(
-    "trial_user_attributes",
-    _md,
-    Column("trial_id", Integer),
-    Column("key", String),
-    Column("value_json", Text),
-)
-
-study_attrs = Table("study_user_attributes", _md, Column("study_id", Integer), Column("key", String))
 
 SORTS = ("number", "-number", "tokens_per_s", "-tokens_per_s")
 STATES = ("running", "complete", "pruned", "fail", "waiting")
