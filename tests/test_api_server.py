@@ -34,6 +34,7 @@ class Server:
     """`tuner serve` in its own process group, so a test can kill it (and its worker) at once."""
 
     def __init__(self, workdir: Path, db_url: str, workers: int = 1, **env: str):
+        self.db_url = db_url
         self.workdir = workdir
         self.workers = workers
         self.env = {
@@ -138,6 +139,20 @@ def _check_best(server: Server, auth: dict, job_id: int) -> None:
     assert best.json()["tokens_per_s"] > 0 and best.json()["config"]["compile"] == "none"
 
 
+def _check_snapshot(server: Server, job_id: int) -> None:
+    """The worker snapshotted the finished study: the dashboard's next cold read is one row."""
+    from tuner.db import Job, session_scope
+    from tuner.study_rows import load_snapshot, read_rows, study_id
+
+    with session_scope(server.db_url) as s:
+        name = s.get(Job, job_id).study_name
+        snap = load_snapshot(s, name)
+        assert snap is not None, server.log()
+        rows, finished, fetched = read_rows(s, study_id(s, name), snap)
+    assert fetched == 0 and len(finished.rows) == len(snap.rows) >= 1
+    assert any(r.tokens_per_s for r in rows)
+
+
 def _check_build(server: Server, auth: dict, job_id: int) -> None:
     build = httpx.get(f"{server.base}/v1/jobs/{job_id}/build", headers=auth, timeout=60)
     assert build.status_code == 200, f"{build.text}\n{server.log()}"
@@ -190,6 +205,7 @@ def test_job_survives_a_killed_server_and_another_is_cancelled(sqlite_server):
     assert kept["tokens_per_s"] == pytest.approx(finished["result"]["tokens_per_s"])
     _check_best(server, auth, job_id)
     _check_build(server, auth, job_id)
+    _check_snapshot(server, job_id)
 
 
 @pytest.mark.postgres
@@ -207,6 +223,7 @@ def test_full_flow_on_postgresql(tmp_path):
         done = follow(server, token, job_id, {"done"})[-1]
         assert done["data"]["state"] == "succeeded", f"{done}\n{server.log()}"
         _check_best(server, auth, job_id)
+        _check_snapshot(server, job_id)
         build = httpx.get(f"{server.base}/v1/jobs/{job_id}/build", headers=auth)
         assert build.status_code == 404 and "TUNER_BUILD=false" in build.json()["detail"]
         server.tuner("token", "revoke", "pg")

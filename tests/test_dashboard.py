@@ -25,9 +25,19 @@ from api import Settings, create_app
 from api.auth import create_token
 from api.dashboard.plots import pareto_front
 from api.dashboard.seed import seed_job
-from api.dashboard.store import load_study_rows
-from tuner.db import Build, Job, NightlyResult, session_scope
+from api.dashboard.store import load_study_rows, with_all_attrs
+from tuner.db import Build, Job, NightlyResult, StudySnapshot, session_scope
 from tuner.migrations import upgrade
+from tuner.study_rows import (
+    ROW_ATTRS,
+    Finished,
+    importances,
+    load_snapshot,
+    merged_distribution,
+    read_rows,
+    snapshot_study,
+    study_id,
+)
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "api" / "dashboard"
 PG_URL = os.environ.get("TUNER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -104,11 +114,16 @@ def test_reader_agrees_with_optuna(db):
     assert [r.number for r in rows] == [t.number for t in trials]
     for r, t in zip(rows, trials, strict=True):
         assert r.params == t.params
-        assert r.attrs == t.user_attrs
+        # The bulk read carries the attrs the table and plots use; a trial shown whole has all.
+        assert r.attrs == {k: v for k, v in t.user_attrs.items() if k in ROW_ATTRS}
         assert r.state == t.state.name.lower()
         if t.values:
             assert r.values == t.values
     assert {r.state for r in rows} >= {"complete", "fail", "running"}
+    with session_scope(db["url"]) as s:
+        whole = with_all_attrs(s, rows)
+    assert [r.attrs for r in whole] == [t.user_attrs for t in trials]
+    assert any("log_tail" in r.attrs for r in whole) and not any("log_tail" in r.attrs for r in rows)
 
 
 def test_reader_and_table_on_every_storage(storage_url):
@@ -120,7 +135,7 @@ def test_reader_and_table_on_every_storage(storage_url):
         token = create_token(s, "pg")
     trials = optuna.load_study(study_name=name, storage=storage_url).get_trials(deepcopy=False)
     assert [(r.number, r.params, r.attrs) for r in rows] == [
-        (t.number, t.params, t.user_attrs) for t in trials
+        (t.number, t.params, {k: v for k, v in t.user_attrs.items() if k in ROW_ATTRS}) for t in trials
     ]
     with TestClient(create_app(Settings(database_url=storage_url))) as c:
         page = c.get(
@@ -130,6 +145,74 @@ def test_reader_and_table_on_every_storage(storage_url):
         ).json()
     best = max(t.user_attrs["tokens_per_s"] for t in trials if "tokens_per_s" in t.user_attrs)
     assert page["total"] == 121 and page["items"][0]["tokens_per_s"] == best
+
+
+def _fields(rows):
+    return [
+        (r.number, r.state, r.status, r.values, r.params, r.attrs, r.started_at, r.finished_at) for r in rows
+    ]
+
+
+def test_snapshot_and_incremental_reads_match_a_full_read(storage_url):
+    """A reader holding the finished trials (from memory or the snapshot) reads only new and
+    unfinished ones, and ends with exactly what a full read of Optuna's tables gives."""
+    upgrade(storage_url)
+    job_id = seed_job(storage_url, 200, running=2, state="running", seed=7)
+    with session_scope(storage_url) as s:
+        name = s.get(Job, job_id).study_name
+        sid = study_id(s, name)
+        assert load_snapshot(s, name) is None  # a running job has none yet
+        _, _, fetched = read_rows(s, sid)
+    assert fetched == 200
+    assert snapshot_study(storage_url, name) == 200  # what the worker does when a job ends
+
+    # The study moves on: a running trial finishes and a new one is asked and told.
+    study = optuna.load_study(study_name=name, storage=storage_url)
+    running = [t.number for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING"]
+    study.tell(running[0], 54321.0)
+    trial = study.ask({"new_knob": optuna.distributions.CategoricalDistribution([1, 2, 4])})
+    trial.set_user_attr("status", "ok")
+    trial.set_user_attr("tokens_per_s", 321.0)
+    trial.set_user_attr("log_tail", "not read in bulk")
+    study.tell(trial, 321.0)
+
+    with session_scope(storage_url) as s:
+        snap = load_snapshot(s, name)
+        assert len(snap.rows) == 200 and snap.importance is not None
+        rows, finished, fetched = read_rows(s, sid, snap)
+        full, _, _ = read_rows(s, sid)
+    assert fetched == 2  # the finished and the new trial; 200 came from the snapshot
+    assert _fields(rows) == _fields(full)
+    assert len(finished.rows) == 202
+    trials = study.get_trials(deepcopy=False)
+    assert [r.params for r in rows] == [t.params for t in trials]
+    assert rows[-1].tokens_per_s == 321.0 and "log_tail" not in rows[-1].attrs
+
+
+def test_an_unreadable_snapshot_is_ignored_and_the_page_still_loads(tmp_path):
+    url = f"sqlite:///{tmp_path / 'tuner.db'}"
+    upgrade(url)
+    job_id = seed_job(url, 40, seed=8)
+    with session_scope(url) as s:
+        name = s.get(Job, job_id).study_name
+        s.get(StudySnapshot, name).data = b"not zlib"
+        token = create_token(s, "t")
+    with TestClient(create_app(Settings(database_url=url))) as c:
+        page = c.get(f"/ui/api/jobs/{job_id}/trials", headers={"Authorization": f"Bearer {token}"})
+    assert page.status_code == 200 and page.json()["total"] == 40
+
+
+def test_importance_is_kept_while_the_study_grows_by_at_most_two_percent(db):
+    with session_scope(db["url"]) as s:
+        study = load_study_rows(s, s.get(Job, db["large"]).study_name)
+    dists = {name: merged_distribution(d) for name, d in study.finished.dists.items()}
+    done = [r for r in study.rows if r.state == "complete"]
+    finished = Finished()
+    first = importances(done[:-10], finished, dists)
+    assert first and finished.importance[0] == len(done) - 10
+    assert importances(done, finished, dists) is first  # 10 more of ~1,000: the same ranking
+    again = importances(done + done[:100], finished, dists)  # 10% more: computed afresh
+    assert again is not first and finished.importance[0] == len(done) + 100
 
 
 def test_table_sorts_filters_and_pages_on_the_server(client, db):

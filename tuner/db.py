@@ -1,5 +1,6 @@
-"""The service's own tables (jobs, job events, builds, API tokens, nightly results) and the one
-`session_scope()` that owns commit, rollback and error translation. Optuna's tables share the database."""
+"""The service's own tables (jobs, job events, builds, API tokens, nightly results, study snapshots)
+and the one `session_scope()` that owns commit, rollback and error translation. Optuna's tables
+share the database."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    LargeBinary,
     String,
     Text,
     UniqueConstraint,
@@ -125,6 +127,18 @@ class NightlyResult(Base):
     config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     study_name: Mapped[str | None] = mapped_column(String(512))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class StudySnapshot(Base):
+    """A study's finished trials as compact rows (zlib-compressed JSON, `tuner.study_rows`), so a
+    reader skips the ~25 Optuna parameter and attribute rows per trial it would otherwise read."""
+
+    __tablename__ = "study_snapshots"
+
+    study_name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    trials: Mapped[int]
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    saved_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 _engines: dict[str, Engine] = {}

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, database_url, session_scope, utcnow
 from tuner.resume import pid_dead
+from tuner.study_rows import snapshot_study
 
 log = logging.getLogger("tuner.worker")
 
@@ -357,11 +359,25 @@ class JobRun:
             "build_id": record.build_id,  # build_trial registers the row; the worker links it to the job
         }
 
+    def _snapshot(self) -> None:
+        """Snapshot the study's finished trials, so the dashboard's first view of a large job reads
+        one row instead of every trial. A cache: a failure here is logged, never fails the job."""
+        try:
+            with session_scope(self.url) as s:
+                job = s.get(Job, self.job_id)
+                name = job.study_name if job is not None else None
+            if name:
+                snapshot_study(self.url, name)
+        except (DatabaseError, SQLAlchemyError) as err:
+            log.warning("job %s: could not snapshot study for the dashboard: %s", self.job_id, err)
+
     def _finish(self, outcome: dict[str, Any]) -> str:
         state = outcome["state"]
         if state == "lost":
             log.warning("job %s was taken over by another worker; leaving it", self.job_id)
             return state
+        if state != "queued":
+            self._snapshot()
         summary = outcome.get("summary") or {}
         with session_scope(self.url) as s:
             job = s.get(Job, self.job_id)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from api.dashboard.store import StudyRows, TrialRow
+from tuner.study_rows import importances as knob_importances
 
 SAMPLE_LIMIT = 1000  # points per plot: what a browser draws instantly
-IMPORTANCE_LIMIT = 1000  # trials the importance evaluator sees
 PARALLEL_LIMIT = 300  # lines in parallel coordinates: more is unreadable
 PARALLEL_PARAMS = 6  # the most important knobs get an axis each
 
@@ -94,38 +94,8 @@ def history(sample: list[TrialRow]) -> dict[str, Any]:
 
 
 def importances(study: StudyRows) -> dict[str, float]:
-    """Knob importance for tokens/s (PED-ANOVA: fast, no model to fit), most important first."""
-    import optuna
-    from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
-    from optuna.trial import TrialState, create_trial
-
-    done = [r for r in study.rows if _tput(r) is not None]
-    if len(done) < 4:
-        return {}
-    chosen = _evenly(done, IMPORTANCE_LIMIT)
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    frozen = []
-    for r in chosen:
-        names = [k for k in r.params if k in study.distributions]
-        try:
-            frozen.append(
-                create_trial(
-                    state=TrialState.COMPLETE,
-                    params={k: r.params[k] for k in names},
-                    distributions={k: study.distributions[k] for k in names},
-                    value=_tput(r),
-                )
-            )
-        except ValueError:
-            continue  # a param outside its recorded domain: leave the trial out
-    present = {k for t in frozen for k in t.params}
-    # Single-choice params (dp/tp/pp are recorded next to the split label) carry no information.
-    params = [k for k, d in study.distributions.items() if k in present and not d.single()]
-    if not params or len(frozen) < 4:
-        return {}
-    mem = optuna.create_study(direction="maximize")
-    mem.add_trials(frozen)
-    return get_param_importances(mem, evaluator=PedAnovaImportanceEvaluator(), params=params)
+    """Knob importance for tokens/s, most important first (kept across versions of the study)."""
+    return knob_importances(study.rows, study.finished, study.distributions)
 
 
 def parallel(sample: list[TrialRow], knobs: list[str]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, RedirectResponse
 from sqlalchemy import select
 
 from api.dashboard import nightly, plots, table
-from api.dashboard.store import StudyRows, load_study_rows
+from api.dashboard.store import StudyRows, load_study_rows, with_all_attrs
 from api.deps import ReadAuth, SessionDep
 from api.errors import ApiError
 from api.schemas import ErrorBody, JobId, JobPublic
@@ -107,6 +107,11 @@ def read_overview(job_id: JobId, session: SessionDep, _: ReadAuth):
     if speedup is None and best is not None:
         baseline = job.baseline_tokens_per_s or (table.baseline(study) if study else None)
         speedup = best.tokens_per_s / baseline if baseline else None
+    failed, latest = table.failures(study) if study else (0, [])
+    # With their logs: the best card and the failure list show trials whole.
+    whole = with_all_attrs(session, ([best] if best else []) + latest)
+    if best:
+        best, latest = whole[0], whole[1:]
     return {
         "job": JobPublic.from_row(job).model_dump(mode="json"),
         "best": best.detail() if best else None,
@@ -117,7 +122,7 @@ def read_overview(job_id: JobId, session: SessionDep, _: ReadAuth):
             "size_bytes": build.size_bytes if build else None,
             "trial_number": build.trial_number if build else None,
         },
-        "failures": table.failures(study) if study else {"total": 0, "items": []},
+        "failures": {"total": failed, "items": [r.detail() for r in latest]},
     }
 
 
@@ -158,7 +163,8 @@ def read_trial(job_id: JobId, number: TrialNumber, session: SessionDep, _: ReadA
     study = _study(session, job)
     if study is None:
         raise ApiError(404, f"job {job_id} has no trials yet ({job.state})", [("number", "no trials")])
-    return {"job_id": job.id, "recipe_name": job.recipe_name, "trial": table.find(study, number).detail()}
+    (trial,) = with_all_attrs(session, [table.find(study, number)])
+    return {"job_id": job.id, "recipe_name": job.recipe_name, "trial": trial.detail()}
 
 
 def _ref(session, field: str, ref: str):
@@ -173,7 +179,8 @@ def _ref(session, field: str, ref: str):
         raise ApiError(404, f"job {job.id} has no trials yet", [(field, "no trials")])
     # What ran it: the study's fingerprint (device model, torch, driver), else the recipe's request.
     hardware = study.fingerprint or dict((job.recipe or {}).get("hardware", {}))
-    return job, table.find(study, int(m.group(2))), hardware
+    (trial,) = with_all_attrs(session, [table.find(study, int(m.group(2)))])
+    return job, trial, hardware
 
 
 @data.get("/compare")

@@ -9,10 +9,11 @@ import math
 import random
 from typing import Any
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, text
 
 from api.dashboard.store import CATEGORIES
 from tuner.db import Job, JobEvent, session_scope, utcnow
+from tuner.study_rows import snapshot_study
 
 TINY = {
     "name": "gpt-tiny",
@@ -77,6 +78,36 @@ def _measure(config: Any, rng: random.Random, base: float) -> dict[str, Any]:
         "loss": 7.6 + rng.uniform(-0.01, 0.01),
         "breakdown": {c: step * w / total for c, w in zip(CATEGORIES, weights, strict=True)},
     }
+
+
+def _evidence(config: Any, metrics: dict[str, Any], rng: random.Random, tid: int) -> dict[str, Any]:
+    """What `tuner.study` records next to the metrics of a real trial: per-step losses and times,
+    wall time, the log path and its last 40 lines (the bulk of a trial's stored bytes)."""
+    steps = 5
+    step = metrics.get("step_time_s") or 0.05
+    times = [step * rng.uniform(0.97, 1.05) for _ in range(steps)]
+    wall = 4.0 + sum(times) * 3
+    lines = [f"[rank{r}] rank {r} of {config.world_size}, threads 1, affinity [{r}]" for r in range(2)]
+    lines += [
+        f"[rank0] step {i}: loss {7.6 - 0.01 * i:.4f}, {t * 1e3:.1f} ms" for i, t in enumerate(times * 7)
+    ]
+    if metrics["status"] != "ok":
+        lines.append(str(metrics.get("log_tail", "")))
+    out = {
+        "config_key": json.dumps(config.normalized().to_dict(), sort_keys=True),
+        "estimator_calibration": 1.0,
+        "losses": [7.6 - 0.01 * i for i in range(steps)] if metrics["status"] == "ok" else [],
+        "step_times": times if metrics["status"] == "ok" else [],
+        "wall_s": wall,
+        "measured_s": sum(times),
+        "device_seconds": wall * config.world_size,
+        "log_path": f"/var/lib/tuner/trials/{tid}/trial.log",
+        "log_tail": "\n".join(lines[-40:]),
+        "node": "seed-host",
+    }
+    if metrics["status"] != "ok":
+        out["error_kind"] = metrics["status"]
+    return out
 
 
 def seed_study(
@@ -170,7 +201,7 @@ def seed_study(
                     }
                 )
                 best = max(best or 0.0, metrics["tokens_per_s"])
-            for key, value in metrics.items():
+            for key, value in {**metrics, **_evidence(config, metrics, rng, tid)}.items():
                 attr_rows.append({"trial_id": tid, "key": key, "value_json": json.dumps(value)})
         conn.execute(insert(trials_t), trial_rows)
         if value_rows:
@@ -179,6 +210,14 @@ def seed_study(
             conn.execute(insert(TrialParamModel.__table__), param_rows)
         if attr_rows:
             conn.execute(insert(TrialUserAttributeModel.__table__), attr_rows)
+        if conn.dialect.name == "postgresql":
+            # The trials above carry their own ids: move the sequence past them, or Optuna's next
+            # trial in this database would be given one of theirs.
+            conn.execute(
+                text(
+                    "SELECT setval(pg_get_serial_sequence('trials', 'trial_id'), (SELECT MAX(trial_id) FROM trials))"
+                )
+            )
     return best
 
 
@@ -221,4 +260,6 @@ def seed_job(
         if state in ("succeeded", "failed", "cancelled"):
             job.finished_at = utcnow()
             s.add(JobEvent(job_id=job_id, kind="done", payload={"state": state}))
+    if state in ("succeeded", "failed", "cancelled"):
+        snapshot_study(url, study_name)  # as the worker does when a job ends
     return job_id

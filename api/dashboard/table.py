@@ -116,9 +116,10 @@ def _value(r: TrialRow, column: str) -> Any:
     return r.metric(column) if column in COLUMNS else r.params.get(column)
 
 
-def failures(study: StudyRows, limit: int = 50) -> dict[str, Any]:
+def failures(study: StudyRows, limit: int = 50) -> tuple[int, list[TrialRow]]:
+    """How many trials failed, and the latest `limit` of them, newest first."""
     failed = [r for r in study.rows if r.failed]
-    return {"total": len(failed), "items": [r.detail() for r in reversed(failed[-limit:])]}
+    return len(failed), list(reversed(failed[-limit:]))
 
 
 def best(study: StudyRows, prefer: int | None = None) -> TrialRow | None:
