@@ -122,6 +122,7 @@ async function loadTable() {
     data = await api(`/ui/api/jobs/${jobId}/trials?${q}`);
   } catch (err) {
     showError($("page-info"), err);
+    tableDrawn();
     return;
   }
   if (view.page > data.pages) {
@@ -141,6 +142,7 @@ async function loadTable() {
   $("page-next").disabled = data.page >= data.pages;
   renderFilters(data);
   mark("table");
+  tableDrawn();
   dash.tableReady = true;
   markReady();
 }
@@ -221,7 +223,12 @@ async function loadPlots() {
     return;
   }
   mark("plots_data");
-  await plotlyLoaded;
+  try {
+    await plotlyLoaded;
+  } catch (err) {
+    showError($("plots-note"), err);
+    return;
+  }
   mark("plotly_loaded");
   const jobs = [];
   if (data.history && data.history.number.length + data.history.failed.number.length) jobs.push(plots.history($("plot-history"), data.history));
@@ -242,10 +249,16 @@ async function loadPlots() {
   lastParallel = data.parallel;
 }
 
-const plotlyLoaded = new Promise((resolve) => {
-  if (window.Plotly) resolve();
-  else window.addEventListener("load", resolve, { once: true });
-});
+// Plotly runs once the first table page is drawn (or failed), so the table shows first.
+let tableDrawn;
+const firstTable = new Promise((resolve) => (tableDrawn = resolve));
+const plotlyLoaded = firstTable.then(() => new Promise((resolve, reject) => {
+  if (window.Plotly) return resolve();
+  const script = el("script", { src: "/ui/static/plotly.min.js" });
+  script.onload = resolve;
+  script.onerror = () => reject(new Error("could not load /ui/static/plotly.min.js"));
+  document.head.append(script);
+}));
 
 // At most one refresh per second: each re-reads a changed study on the server.
 const REFRESH_MS = 1000;
