@@ -44,13 +44,14 @@ def _est(r: TrialRow) -> float | None:
 def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
     """Completed trials no other trial beats on both tokens/s (higher) and peak memory (lower),
     by decreasing tokens/s."""
-    points = [r for r in rows if _tput(r) is not None and _mem(r) is not None]
-    points.sort(key=lambda r: (-_tput(r), _mem(r)))
+    # Each value computed once: this runs over every trial of the study.
+    points = [(t, m, r) for r in rows if (t := _tput(r)) is not None and (m := _mem(r)) is not None]
+    points.sort(key=lambda p: (-p[0], p[1]))
     front, lowest = [], None
-    for r in points:
-        if lowest is None or _mem(r) < lowest:
+    for _, m, r in points:
+        if lowest is None or m < lowest:
             front.append(r)
-            lowest = _mem(r)
+            lowest = m
     return front
 
 
@@ -68,8 +69,10 @@ def downsample(rows: list[TrialRow], limit: int = SAMPLE_LIMIT) -> list[TrialRow
             keep.add(r.number)
             best = t
     keep.update(r.number for r in pareto_front(finished))
-    keep.update(r.number for r in _evenly([r for r in finished if r.failed], limit // 4))
-    rest = [r for r in finished if r.number not in keep and not r.failed]
+    failed = [r for r in finished if r.failed]
+    keep.update(r.number for r in _evenly(failed, limit // 4))
+    skip = keep | {r.number for r in failed}
+    rest = [r for r in finished if r.number not in skip]
     keep.update(r.number for r in _evenly(rest, limit - len(keep)))
     return [r for r in finished if r.number in keep]
 
