@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -78,30 +79,98 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _page_loads(base: str, job_id: int, reloads: int, server_pid: int) -> list[tuple[float, float, float]]:
-    """Per load: seconds to interactive, to the last plot (parallel coordinates) drawn, and the
-    server's CPU seconds for the load."""
+@dataclass
+class Load:
+    scenario: str
+    table_s: float  # the first table page rendered
+    interactive_s: float  # table and the history, importance, Pareto and memory plots drawn
+    all_plots_s: float  # plus parallel coordinates (software WebGL without a GPU)
+    server_cpu_s: float
+
+
+def _load(page, scenario: str, url: str | None, server_pid: int) -> Load:
+    cpu = _cpu_s(server_pid)
+    if url:
+        page.goto(url)
+    else:
+        page.reload()
+    page.wait_for_function("window.__dashboard && window.__dashboard.ready", timeout=120_000)
+    page.wait_for_function("'parallel_drawn' in window.__dashboard.timings", timeout=120_000)
+    timings = page.evaluate("window.__dashboard.timings")
+    ready = page.evaluate("window.__dashboard.readyAt") / 1000
+    rows = page.locator("#trials-table tbody tr").count()
+    assert rows == 50, f"expected a 50-row table page, got {rows}"
+    steps = ", ".join(f"{k} {v / 1000:.2f}" for k, v in sorted(timings.items(), key=lambda kv: kv[1]))
+    print(f"{scenario}: s from navigation start: {steps}", flush=True)
+    return Load(
+        scenario, timings["table"] / 1000, ready, timings["parallel_drawn"] / 1000, _cpu_s(server_pid) - cpu
+    )
+
+
+def _plotly_alone(p, base: str) -> float:
+    """Seconds a fresh browser takes to load and run Plotly's bundle on a page with nothing else."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+    page = browser.new_page()
+    page.route(
+        f"{base}/plotly-alone",
+        lambda route: route.fulfill(
+            content_type="text/html",
+            body='<script src="/ui/static/plotly.min.js" onload="window.t = performance.now()"></script>',
+        ),
+    )
+    page.goto(f"{base}/plotly-alone")
+    page.wait_for_function("window.t !== undefined", timeout=120_000)
+    seconds = page.evaluate("window.t") / 1000
+    browser.close()
+    return seconds
+
+
+def _page_loads(url: str, job_id: int, reloads: int) -> tuple[list[Load], float]:
+    """The job page in three situations: a fresh browser meeting a server that just started
+    (nothing cached on either side); the same browser after the server restarted (a returning
+    user: Plotly compiled before, the study not cached on the server); reloads (both warm)."""
     from playwright.sync_api import sync_playwright
 
-    times = []
+    loads = []
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    job = f"{base}/ui/jobs/{job_id}"
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        for i in range(reloads + 1):
-            cpu = _cpu_s(server_pid)
-            if i == 0:
-                page.goto(f"{base}/ui/jobs/{job_id}")
-            else:
-                page.reload()
-            page.wait_for_function("window.__dashboard && window.__dashboard.ready", timeout=120_000)
-            page.wait_for_function("'parallel_drawn' in window.__dashboard.timings", timeout=120_000)
-            timings = page.evaluate("window.__dashboard.timings")
-            ready = page.evaluate("window.__dashboard.readyAt") / 1000
-            times.append((ready, timings["parallel_drawn"] / 1000, _cpu_s(server_pid) - cpu))
-            rows = page.locator("#trials-table tbody tr").count()
-            assert rows == 50, f"expected a 50-row table page, got {rows}"
-        browser.close()
-    return times
+        proc = _start_server(url, port)
+        try:
+            plotly_s = _plotly_alone(p, base)
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            loads.append(_load(page, "fresh browser, cold server", job, proc.pid))
+            for _ in range(reloads):
+                loads.append(_load(page, "reload, warm server", None, proc.pid))
+        finally:
+            _stop(proc)
+        proc = _start_server(url, port)
+        try:
+            page.goto(f"{base}/ui/jobs")  # where a returning user starts
+            loads.append(_load(page, "returning browser, cold server", job, proc.pid))
+        finally:
+            browser.close()
+            _stop(proc)
+    return loads, plotly_s
+
+
+def _reads(url: str, job_id: int) -> dict[str, float]:
+    """Seconds to read the study into rows, in this process: from Optuna's tables alone, and from
+    the snapshot the worker wrote when the job ended (what a freshly started server does)."""
+    from tuner.db import Job, session_scope
+    from tuner.study_rows import load_snapshot, read_rows, study_id
+
+    out = {}
+    with session_scope(url) as s:
+        name = s.get(Job, job_id).study_name
+        sid = study_id(s, name)
+        for label in ("Optuna's tables", "snapshot"):
+            t0 = time.perf_counter()
+            read_rows(s, sid, load_snapshot(s, name) if label == "snapshot" else None)
+            out[label] = time.perf_counter() - t0
+    return out
 
 
 def _endpoints(base: str, job_id: int) -> list[tuple[str, float, float, int]]:
@@ -135,43 +204,43 @@ def main() -> None:
         job_id = seed_job(url, args.trials, seed=0)
         seed_s = time.perf_counter() - t0
 
+        reads = _reads(url, job_id)
+        loads, plotly_s = _page_loads(url, job_id, args.reloads)
+        # A server of its own, cold again, for the endpoint timings.
         port = _free_port()
-        proc = _start_server(url, port)
-        try:
-            loads = _page_loads(f"http://127.0.0.1:{port}", job_id, args.reloads, proc.pid)
-        finally:
-            _stop(proc)
-        # A second server, cold again, for the endpoint timings.
         proc = _start_server(url, port)
         try:
             endpoints = _endpoints(f"http://127.0.0.1:{port}", job_id)
         finally:
             _stop(proc)
 
-    cold, cold_all, cold_cpu = loads[0]
-    warm, warm_all, warm_cpu = (
-        (statistics.median(x[k] for x in loads[1:]) for k in range(3))
-        if len(loads) > 1
-        else [float("nan")] * 3
-    )
     print(
         f"\nJob page of a {args.trials:,}-trial study (seeded in {seed_s:.1f} s), "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
-    head = (
-        f"{'page load (s from navigation start)':<40}{'interactive':>12}{'all plots':>11}{'server CPU s':>14}"
-    )
-    print(f"{head}{'target':>8}")
     print(
-        f"{'first load, cold server':<40}{cold:>12.2f}{cold_all:>11.2f}{cold_cpu:>14.2f}{'<' + str(args.target_s):>8}"
+        f"{'page load (s from navigation start)':<34}{'table':>7}{'interactive':>13}{'all plots':>11}{'server CPU s':>14}"
     )
-    label = f"reload, warm server (median of {len(loads) - 1})"
-    print(f"{label:<40}{warm:>12.2f}{warm_all:>11.2f}{warm_cpu:>14.2f}{'<' + str(args.target_s):>8}")
+    for scenario in ("fresh browser, cold server", "returning browser, cold server", "reload, warm server"):
+        group = [x for x in loads if x.scenario == scenario]
+        label = scenario if len(group) == 1 else f"{scenario} (median of {len(group)})"
+        row = [
+            statistics.median(getattr(x, k) for x in group)
+            for k in ("table_s", "interactive_s", "all_plots_s", "server_cpu_s")
+        ]
+        print(f"{label:<34}{row[0]:>7.2f}{row[1]:>13.2f}{row[2]:>11.2f}{row[3]:>14.2f}")
+    print(f"Plotly's bundle alone, fresh browser: {plotly_s:.2f} s to load and run")
+    print("reading the study into rows: " + ", ".join(f"from {k} {v:.2f} s" for k, v in reads.items()))
     print(f"\n{'endpoint /ui/api/jobs/ID/...':<46}{'cold s':>12}{'warm s':>12}{'bytes':>10}")
     for ep, c, w, size in endpoints:
         print(f"{ep:<46}{c:>12.2f}{w:>12.3f}{size:>10,}")
-    verdict = "meets" if max(cold, warm) < args.target_s else "misses"
-    print(f"\n{verdict} the {args.target_s} s target to interactive (cold {cold:.2f} s, warm {warm:.2f} s)")
+    worst = max(x.interactive_s for x in loads)
+    server_bound = max(x.interactive_s for x in loads if not x.scenario.startswith("fresh"))
+    verdict = "meets" if worst < args.target_s else "misses"
+    print(f"\n{verdict} the {args.target_s} s target to interactive in every situation (worst {worst:.2f} s)")
+    if worst >= args.target_s:
+        verdict = "meets" if server_bound < args.target_s else "misses"
+        print(f"{verdict} it once the browser has run Plotly before (worst {server_bound:.2f} s)")
     print("'interactive': table and history, importance, Pareto and memory plots drawn; 'all plots' adds")
     print("parallel coordinates, a WebGL trace that Chromium without a GPU renders in software.")
 
