@@ -23,7 +23,7 @@ from sqlalchemy import create_engine, text
 
 from api import Settings, create_app
 from api.auth import create_token
-from api.dashboard.plots import pareto_front
+from api.dashboard.plots import SAMPLE_LIMIT, pareto_front
 from api.dashboard.seed import seed_job
 from api.dashboard.store import load_study_rows, with_all_attrs
 from tuner.db import Build, Job, NightlyResult, StudySnapshot, session_scope
@@ -268,7 +268,7 @@ def test_reads_need_a_token_unless_public(client, db):
 def test_plots_of_a_large_study_are_downsampled_but_keep_what_matters(client, db):
     data = _get(client, db, f"/ui/api/jobs/{db['large']}/plots")
     rows = _rows(db, "large")
-    assert data["total"] == 1500 and data["sampled"] <= 1000
+    assert data["total"] == 1500 and data["sampled"] <= SAMPLE_LIMIT
     h = data["history"]
     # Every best-so-far improvement is kept, so the best line is exact.
     best, steps = None, []

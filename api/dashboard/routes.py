@@ -149,7 +149,7 @@ def read_trials_table(
 
 @data.get("/jobs/{job_id}/plots")
 def read_plots(job_id: JobId, session: SessionDep, _: ReadAuth):
-    """Plot series from at most ~1,000 trials (best-so-far steps and failures always kept)."""
+    """Plot series from at most 500 trials (best-so-far steps and failures always kept)."""
     job = _job(session, job_id)
     study = _study(session, job)
     if study is None:
