@@ -53,15 +53,46 @@ def label(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _sort_key(column: str):
-    def key(r: TrialRow):
-        v = _value(r, column)
-        # Numbers (and booleans) before text; missing values are split off by the caller.
-        if isinstance(v, (bool, int, float)):
-            return (0, float(v), "")
-        return (1, 0.0, str(v))
+def _sort_key(v: Any) -> tuple[int, float, str]:
+    # Numbers (and booleans) before text; missing values are split off by the caller.
+    if isinstance(v, (bool, int, float)):
+        return (0, float(v), "")
+    return (1, 0.0, str(v))
 
-    return key
+
+ORDERS_KEPT = 32  # sorted and filtered orders kept per study version: paging one is then free
+
+
+def _ordered(
+    study: StudyRows, column: str, desc: bool, statuses: list[str], knobs: dict[str, str]
+) -> list[TrialRow]:
+    orders = study.derived.setdefault("orders", {})
+    key = (column, desc, tuple(sorted(statuses)), tuple(sorted(knobs.items())))
+    cached = orders.get(key)
+    if cached is not None:
+        return cached
+    rows = study.rows
+    if statuses:
+        rows = [r for r in rows if r.status in statuses]
+    for name, want in knobs.items():
+        rows = [r for r in rows if name in r.params and label(r.params[name]) == want]
+    keyed = [(_value(r, column), r) for r in rows]  # each value once: this runs over every trial
+    present = [(_sort_key(v), r) for v, r in keyed if v is not None]
+    present.sort(key=lambda kr: kr[0], reverse=desc)
+    ordered = [r for _, r in present] + [r for v, r in keyed if v is None]
+    if len(orders) < ORDERS_KEPT:
+        orders[key] = ordered
+    return ordered
+
+
+def _counts(study: StudyRows) -> dict[str, int]:
+    counts = study.derived.get("status_counts")
+    if counts is None:
+        counts = {}
+        for r in study.rows:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        study.derived["status_counts"] = counts
+    return counts
 
 
 def page(
@@ -81,21 +112,10 @@ def page(
         raise ApiError(
             422, f"cannot sort by {column!r}", [("sort", f"one of {valid}, with '-' for descending")]
         )
-    rows = study.rows
-    if statuses:
-        rows = [r for r in rows if r.status in statuses]
-    for name, want in knobs.items():
-        rows = [r for r in rows if name in r.params and label(r.params[name]) == want]
-    present = [r for r in rows if _value(r, column) is not None]
-    missing = [r for r in rows if _value(r, column) is None]
-    present.sort(key=_sort_key(column), reverse=desc)
-    ordered = present + missing
+    ordered = _ordered(study, column, desc, statuses, knobs)
     total = len(ordered)
     pages = max(1, -(-total // size))
     start = (page - 1) * size
-    counts: dict[str, int] = {}
-    for r in study.rows:
-        counts[r.status] = counts.get(r.status, 0) + 1
     return {
         "total": total,
         "total_all": len(study.rows),
@@ -104,7 +124,7 @@ def page(
         "pages": pages,
         "sort": sort,
         "items": [r.summary() for r in ordered[start : start + size]],
-        "status_counts": counts,
+        "status_counts": _counts(study),
         "knobs": {
             name: sorted({label(c) for c in getattr(d, "choices", ())})
             for name, d in sorted(study.distributions.items())
