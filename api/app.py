@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import logging
 from contextlib import asynccontextmanager
@@ -12,6 +13,7 @@ from fastapi.responses import RedirectResponse
 
 from api.dashboard import router as dashboard_router
 from api.errors import BodySizeLimit, install_error_handlers
+from api.responses import FiniteJSONResponse
 from api.routes import events, jobs, system
 from api.settings import Settings
 
@@ -33,6 +35,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Search spaces and study summaries import torch (via the device layer): pay that once
         # here, not in someone's first request.
         await asyncio.to_thread(importlib.import_module, "tuner.space")
+        # What is loaded now (torch, Optuna, SQLAlchemy: ~100,000 objects) lives as long as the
+        # process. Out of the collector's sight, a full collection takes 0.03 s instead of 0.11 s,
+        # which otherwise lands on whichever request allocated last (a study's rows are many).
+        gc.collect()
+        gc.freeze()
         yield
 
     app = FastAPI(
@@ -40,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Find the fastest training configuration for a model recipe on real devices.",
         lifespan=lifespan,
+        default_response_class=FiniteJSONResponse,
     )
     app.state.settings = settings
     install_error_handlers(app)

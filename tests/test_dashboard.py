@@ -484,3 +484,32 @@ def test_fuzzed_dashboard_queries_never_get_a_5xx(db):
             case.call_and_validate(checks=[not_a_server_error])
 
         check()
+
+
+def test_a_trial_with_nan_loss_and_infinite_throughput_does_not_break_the_pages(tmp_path):
+    """JSON has no NaN: a diverged trial's values go out as null, the pages still load."""
+    url = f"sqlite:///{tmp_path / 'tuner.db'}"
+    upgrade(url)
+    job_id = seed_job(url, 20, seed=9, state="running")
+    with session_scope(url) as s:
+        name = s.get(Job, job_id).study_name
+        token = create_token(s, "nan")
+    study = optuna.load_study(study_name=name, storage=url)
+    trial = study.ask()
+    trial.set_user_attr("status", "error")
+    trial.set_user_attr("loss", float("nan"))
+    trial.set_user_attr("tokens_per_s", float("inf"))
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    auth = {"Authorization": f"Bearer {token}"}
+    with TestClient(create_app(Settings(database_url=url))) as c:
+        for path in (
+            f"/ui/api/jobs/{job_id}/overview",
+            f"/ui/api/jobs/{job_id}/trials?sort=-tokens_per_s",
+            f"/ui/api/jobs/{job_id}/plots",
+            f"/ui/api/jobs/{job_id}/trials/{trial.number}",
+            f"/v1/jobs/{job_id}/trials?status=fail",
+        ):
+            resp = c.get(path, headers=auth)
+            assert resp.status_code == 200, (path, resp.text)
+        shown = c.get(f"/ui/api/jobs/{job_id}/trials/{trial.number}", headers=auth).json()["trial"]
+    assert shown["attrs"]["loss"] is None and shown["tokens_per_s"] is None

@@ -16,6 +16,7 @@ from api.dashboard import nightly, plots, table
 from api.dashboard.store import StudyRows, load_study_rows, with_all_attrs
 from api.deps import ReadAuth, SessionDep
 from api.errors import ApiError
+from api.responses import FiniteJSONResponse
 from api.schemas import ErrorBody, JobId, JobPublic
 from tuner.db import Build, Job
 
@@ -112,18 +113,20 @@ def read_overview(job_id: JobId, session: SessionDep, _: ReadAuth):
     whole = with_all_attrs(session, ([best] if best else []) + latest)
     if best:
         best, latest = whole[0], whole[1:]
-    return {
-        "job": JobPublic.from_row(job).model_dump(mode="json"),
-        "best": best.detail() if best else None,
-        "speedup": speedup,
-        "build": {
-            "ready": build is not None and Path(build.path).is_file(),
-            "sha256": build.sha256 if build else None,
-            "size_bytes": build.size_bytes if build else None,
-            "trial_number": build.trial_number if build else None,
-        },
-        "failures": {"total": failed, "items": [r.detail() for r in latest]},
-    }
+    return FiniteJSONResponse(
+        {
+            "job": JobPublic.from_row(job).model_dump(mode="json"),
+            "best": best.detail() if best else None,
+            "speedup": speedup,
+            "build": {
+                "ready": build is not None and Path(build.path).is_file(),
+                "sha256": build.sha256 if build else None,
+                "size_bytes": build.size_bytes if build else None,
+                "trial_number": build.trial_number if build else None,
+            },
+            "failures": {"total": failed, "items": [r.detail() for r in latest]},
+        }
+    )
 
 
 @data.get("/jobs/{job_id}/trials")
@@ -144,7 +147,9 @@ def read_trials_table(
     # A queued job has no study yet: an empty one shows the same (empty) table.
     study = _study(session, job) or StudyRows(study_name="", version=(), rows=[])
     filters = table.parse_knob_filters(list(knob), study)
-    return table.page(study, page=page, size=size, sort=sort, statuses=list(status), knobs=filters)
+    return FiniteJSONResponse(
+        table.page(study, page=page, size=size, sort=sort, statuses=list(status), knobs=filters)
+    )
 
 
 @data.get("/jobs/{job_id}/plots")
@@ -154,7 +159,7 @@ def read_plots(job_id: JobId, session: SessionDep, _: ReadAuth):
     study = _study(session, job)
     if study is None:
         return {"total": 0, "sampled": 0}
-    return plots.plot_data(study)
+    return FiniteJSONResponse(plots.plot_data(study))
 
 
 @data.get("/jobs/{job_id}/trials/{number}")
@@ -164,7 +169,7 @@ def read_trial(job_id: JobId, number: TrialNumber, session: SessionDep, _: ReadA
     if study is None:
         raise ApiError(404, f"job {job_id} has no trials yet ({job.state})", [("number", "no trials")])
     (trial,) = with_all_attrs(session, [table.find(study, number)])
-    return {"job_id": job.id, "recipe_name": job.recipe_name, "trial": trial.detail()}
+    return FiniteJSONResponse({"job_id": job.id, "recipe_name": job.recipe_name, "trial": trial.detail()})
 
 
 def _ref(session, field: str, ref: str):
