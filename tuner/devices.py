@@ -7,6 +7,7 @@ used through `torch_npu` only when it imports.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -131,7 +132,7 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def describe(family: str) -> DeviceInfo:
     if family == "cpu":
         return DeviceInfo(
@@ -248,10 +249,8 @@ def peak_tflops(info: DeviceInfo, dtype: str, threads: int = 1) -> float:
     key = f"linear|{info.family}|{info.name}|{torch.__version__}|{dtype}|{threads}"
     path = _cache_dir() / "peak_tflops.json"
     cache: dict[str, float] = {}
-    try:
+    with contextlib.suppress(OSError, ValueError):  # no cache yet, or a torn one: measure
         cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
     if key in cache:
         return cache[key]
     device = "cpu" if info.family == "cpu" else f"{info.family}:0"
