@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import and_, func, select
@@ -15,14 +14,11 @@ from sqlalchemy.orm import Session
 from api.schemas import TrialPublic
 from tuner.optuna_tables import params, studies, study_attrs, trials, user_attrs, values  # noqa: F401
 from tuner.result import RESULT_KEYS
+from tuner.study_rows import external_value, parse_attr, study_id
 
 SORTS = ("number", "-number", "tokens_per_s", "-tokens_per_s")
 STATES = ("running", "complete", "pruned", "fail", "waiting")
 STATUSES = ("ok", "oom", "error", "timeout", "pruned")
-
-
-def study_id(session: Session, study_name: str) -> int | None:
-    return session.scalar(select(studies.c.study_id).where(studies.c.study_name == study_name))
 
 
 def _throughput():
@@ -73,13 +69,6 @@ def read_trials(
     return _hydrate(session, rows), total
 
 
-@lru_cache(maxsize=1024)
-def _external(distribution_json: str, value: float) -> Any:
-    from optuna.distributions import json_to_distribution
-
-    return json_to_distribution(distribution_json).to_external_repr(value)
-
-
 _summaries: dict[tuple[str, str], tuple[tuple[int, int, int], dict[str, Any]]] = {}
 _summaries_lock = threading.Lock()
 
@@ -114,12 +103,9 @@ def _hydrate(session: Session, rows) -> list[TrialPublic]:
     by_attrs: dict[int, dict[str, Any]] = {i: {} for i in ids}
     if ids:
         for p in session.execute(select(params).where(params.c.trial_id.in_(ids))):
-            by_params[p.trial_id][p.param_name] = _external(p.distribution_json, p.param_value)
+            by_params[p.trial_id][p.param_name] = external_value(p.distribution_json, p.param_value)
         for a in session.execute(select(user_attrs).where(user_attrs.c.trial_id.in_(ids))):
-            try:
-                by_attrs[a.trial_id][a.key] = json.loads(a.value_json)
-            except ValueError:
-                by_attrs[a.trial_id][a.key] = a.value_json
+            by_attrs[a.trial_id][a.key] = parse_attr(a.value_json)
     out = []
     for r in rows:
         attrs = by_attrs[r.trial_id]

@@ -140,7 +140,8 @@ def distribution(distribution_json: str) -> Any:
 
 
 @lru_cache(maxsize=4096)
-def _external(distribution_json: str, internal: float) -> Any:
+def external_value(distribution_json: str, internal: float) -> Any:
+    """A param as the user sees it, from Optuna's stored (internal) value and distribution."""
     return distribution(distribution_json).to_external_repr(internal)
 
 
@@ -262,7 +263,7 @@ def _read_rows(session: Session, sid: int, known: Finished) -> tuple[list[TrialR
         ).where(where(params_t.c.trial_id)),
     ):
         if tid in todo:
-            todo[tid].params[name] = _external(dist, internal)
+            todo[tid].params[name] = external_value(dist, internal)
             dists.setdefault(name, set()).add(dist)
     for tid, key, value_json in _batches(
         session,
