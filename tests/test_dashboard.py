@@ -513,3 +513,23 @@ def test_a_trial_with_nan_loss_and_infinite_throughput_does_not_break_the_pages(
             assert resp.status_code == 200, (path, resp.text)
         shown = c.get(f"/ui/api/jobs/{job_id}/trials/{trial.number}", headers=auth).json()["trial"]
     assert shown["attrs"]["loss"] is None and shown["tokens_per_s"] is None
+
+
+def test_the_server_keeps_a_bounded_number_of_studies_in_memory(db, monkeypatch):
+    from collections import OrderedDict
+
+    from api.dashboard import store
+
+    monkeypatch.setattr(store, "CACHED_STUDIES", 2)
+    monkeypatch.setattr(store, "_cache", OrderedDict())
+    with session_scope(db["url"]) as s:
+        names = [s.get(Job, db[k]).study_name for k in ("small", "large", "other")]
+        for name in names:
+            assert load_study_rows(s, name) is not None
+        held = {name for _, name in store._cache}
+        assert names[0] not in held and set(names[1:]) <= held
+        # The least recently read goes first: reading `large` again keeps it over `other`.
+        load_study_rows(s, names[1])
+        load_study_rows(s, names[0])
+        held = {name for _, name in store._cache}
+    assert names[2] not in held and {names[0], names[1]} <= held
