@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+# Where a profiled step's time goes (`TrialResult.breakdown`), in the dashboard's stacking order.
+BREAKDOWN_CATEGORIES = ("compute", "attention", "communication", "optimizer", "idle")
+
 # The public result keys, in display order (DESIGN.md).
 RESULT_KEYS = (
     "status",

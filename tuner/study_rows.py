@@ -31,13 +31,13 @@ from tuner.optuna_tables import studies as studies_t
 from tuner.optuna_tables import trials as trials_t
 from tuner.optuna_tables import user_attrs as attrs_t
 from tuner.optuna_tables import values as values_t
+from tuner.result import BREAKDOWN_CATEGORIES
 
 log = logging.getLogger(__name__)
 
 FAILED = ("oom", "error", "timeout")
 FINISHED = ("complete", "fail", "pruned")  # Optuna states a trial never leaves
-# Step-time breakdown categories, in stacking order (the `breakdown` user attr of a profiled trial).
-CATEGORIES = ("compute", "attention", "communication", "optimizer", "idle")
+CATEGORIES = BREAKDOWN_CATEGORIES  # of the `breakdown` user attr of a profiled trial
 # The user attrs read for every trial: what the trials table, its sorting, the plots and the
 # comparison metrics use. The rest (per-step losses and times, the log tail: most of a stored
 # trial's bytes) is read only for the few trials shown whole (`with_all_attrs`).

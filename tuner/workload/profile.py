@@ -1,5 +1,5 @@
 """Where a step's time goes: a torch.profiler run over a few extra steps, a Chrome trace per rank
-and a breakdown by category (matmul/attention, other compute, communication, optimizer, idle)."""
+and a breakdown by category (compute, attention, communication, optimizer, idle)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,12 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile
 
 from tuner.devices import synchronize
+from tuner.result import BREAKDOWN_CATEGORIES
 
-CATEGORIES = ("matmul_attention", "other_compute", "communication", "optimizer", "idle")
+CATEGORIES = BREAKDOWN_CATEGORIES
 
-_MATMUL_ATTENTION = (
-    "aten::mm",
-    "aten::addmm",
-    "aten::bmm",
-    "aten::baddbmm",
-    "aten::matmul",
-    "aten::linear",
+# An attention kernel, or the attention op whose math backend runs as matmuls and a softmax.
+_ATTENTION = (
     "scaled_dot_product",
     "flash_attention",
     "efficient_attention",
@@ -31,24 +27,26 @@ _COMMUNICATION = ("c10d", "gloo", "nccl", "hccl", "allreduce", "all_reduce", "al
                   "reduce_scatter", "broadcast", "record_param_comms")  # fmt: skip
 
 
-def _under_optimizer(event: Any) -> bool:
+def _under(event: Any, match: Any) -> bool:
+    """Whether `event` or an op it ran inside satisfies `match` (its lower-case name)."""
     while event is not None:
-        if event.name == "optimizer":
+        if match(event.name.lower()):
             return True
         event = event.cpu_parent
     return False
 
 
 def classify(event: Any) -> str:
-    """Category of one profiler event, from its name and whether it ran inside the optimizer."""
+    """Category of one profiler event, from its name and the ops it ran inside: the optimizer
+    step, or an attention op (whose math backend is matmuls and a softmax underneath)."""
     name = event.name.lower()
     if any(key in name for key in _COMMUNICATION):
         return "communication"
-    if _under_optimizer(event):
+    if _under(event, lambda n: n == "optimizer"):
         return "optimizer"
-    if any(key in name for key in _MATMUL_ATTENTION):
-        return "matmul_attention"
-    return "other_compute"
+    if _under(event, lambda n: any(key in n for key in _ATTENTION)):
+        return "attention"
+    return "compute"
 
 
 def breakdown(events: list[Any], wall_s: float, steps: int, on_device: bool) -> dict[str, Any]:
