@@ -33,7 +33,6 @@ from tuner.study_rows import (
     Finished,
     importances,
     load_snapshot,
-    merged_distribution,
     read_rows,
     snapshot_study,
     study_id,
@@ -205,7 +204,7 @@ def test_an_unreadable_snapshot_is_ignored_and_the_page_still_loads(tmp_path):
 def test_importance_is_kept_while_the_study_grows_by_at_most_two_percent(db):
     with session_scope(db["url"]) as s:
         study = load_study_rows(s, s.get(Job, db["large"]).study_name)
-    dists = {name: merged_distribution(d) for name, d in study.finished.dists.items()}
+    dists = study.finished.distributions()
     done = [r for r in study.rows if r.state == "complete"]
     finished = Finished()
     first = importances(done[:-10], finished, dists)

@@ -133,6 +133,10 @@ class Finished:
     # Knob importance and how many completed trials it was computed from (see `importances`).
     importance: tuple[int, dict[str, float]] | None = None
 
+    def distributions(self) -> dict[str, Any]:
+        """One Optuna distribution per param for the whole study (`merged_distribution`)."""
+        return {name: merged_distribution(d) for name, d in self.dists.items()}
+
 
 @lru_cache(maxsize=1024)
 def distribution(distribution_json: str) -> Any:
@@ -424,7 +428,7 @@ def snapshot_study(url: str | None, study_name: str) -> int:
             return 0
         rows, finished, fetched = read_rows(s, sid, load_snapshot(s, study_name))
     before = finished.importance
-    importances(rows, finished, {name: merged_distribution(d) for name, d in finished.dists.items()})
+    importances(rows, finished, finished.distributions())
     if fetched or finished.importance != before:
         with contextlib.suppress(exc.IntegrityError):  # another writer stored it first
             save_snapshot(url, study_name, finished)

@@ -94,7 +94,7 @@ def _evidence(config: Any, metrics: dict[str, Any], rng: random.Random, tid: int
     if metrics["status"] != "ok":
         lines.append(str(metrics.get("log_tail", "")))
     out = {
-        "config_key": json.dumps(config.normalized().to_dict(), sort_keys=True),
+        "config_key": config.key(),
         "estimator_calibration": 1.0,
         "losses": [7.6 - 0.01 * i for i in range(steps)] if metrics["status"] == "ok" else [],
         "step_times": times if metrics["status"] == "ok" else [],

@@ -19,11 +19,9 @@ from tuner.db import DatabaseError
 from tuner.optuna_tables import study_attrs as study_attrs_t
 from tuner.study_rows import (
     CATEGORIES,
-    FAILED,
     Finished,
     TrialRow,
     load_snapshot,
-    merged_distribution,
     parse_attr,
     read_rows,
     save_snapshot,
@@ -32,7 +30,7 @@ from tuner.study_rows import (
     with_all_attrs,
 )
 
-__all__ = ["CATEGORIES", "FAILED", "StudyRows", "TrialRow", "load_study_rows", "with_all_attrs"]
+__all__ = ["CATEGORIES", "StudyRows", "TrialRow", "load_study_rows", "with_all_attrs"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +91,7 @@ def load_study_rows(session: Session, study_name: str) -> StudyRows | None:
             study_name=study_name,
             version=version,
             rows=rows,
-            distributions={name: merged_distribution(d) for name, d in finished.dists.items()},
+            distributions=finished.distributions(),
             fingerprint=parse_attr(fingerprint) if fingerprint else {},
             finished=finished,
         )
