@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +94,96 @@ def test_cpu_peak_memory_counts_resident_growth():
     del buf
     assert alloc >= 60 * 2**20
     assert alloc == reserved
+
+
+# ---- which low-precision dtypes are fast (the baseline's choice depends on it) ----------------
+
+# What torch.cpu.get_capabilities reports on an AVX-512 Xeon (Ice Lake) with no bf16 units.
+AVX512_ONLY = {"architecture": "x86_64", "avx2": True, "avx512_f": True, "avx512_bw": True}
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    """Describe a CPU with the given instruction-set features, through torch's own report."""
+
+    def _describe(**features):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**AVX512_ONLY, **features})
+        devices.describe.cache_clear()
+        return devices.describe("cpu")
+
+    yield _describe
+    devices.describe.cache_clear()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Describe a CUDA device by name and compute capability (no GPU needed)."""
+
+    def _describe(name, major, minor=0, memory_gb=80):
+        props = types.SimpleNamespace(name=name, major=major, minor=minor, total_memory=memory_gb * 2**30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+        devices.describe.cache_clear()
+        return devices.describe("cuda")
+
+    yield _describe
+    devices.describe.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("features", "fast"),
+    [
+        ({}, ()),  # AVX-512 alone: bf16 autocast only converts to fp32 and back
+        ({"avx512_bf16": True}, ("bf16",)),  # Cooper Lake, Zen 4
+        ({"avx512_bf16": True, "amx_tile": True, "amx_bf16": True, "avx512_fp16": True}, ("bf16", "fp16")),
+        ({"amx_tile": True, "amx_bf16": True, "amx_fp16": True}, ("bf16", "fp16")),  # Granite Rapids
+    ],
+    ids=["avx512", "avx512_bf16", "sapphire_rapids", "amx_fp16"],
+)
+def test_cpu_fast_dtypes_follow_the_isa(fake_cpu, features, fast):
+    info = fake_cpu(**features)
+    assert info.fast_dtypes == fast
+    # Autocast support is unchanged: bf16 stays a legal knob value even where it is slow.
+    assert info.amp_dtypes == ("bf16", "fp16")
+
+
+@pytest.mark.parametrize(
+    ("name", "major", "minor", "fast"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 8, 0, ("bf16", "fp16")),
+        ("NVIDIA H100 80GB HBM3", 9, 0, ("bf16", "fp16")),
+        ("Tesla V100-SXM2-32GB", 7, 0, ("fp16",)),
+        ("Tesla T4", 7, 5, ("fp16",)),
+        ("Tesla P100-PCIE-16GB", 6, 0, ()),
+    ],
+)
+def test_cuda_fast_dtypes_follow_the_compute_capability(fake_cuda, name, major, minor, fast):
+    info = fake_cuda(name, major, minor)
+    assert info.fast_dtypes == fast
+    assert set(info.fast_dtypes) <= set(info.amp_dtypes)
+
+
+def test_ascend_runs_bf16_and_fp16_natively(fake_npu):
+    assert devices.describe("npu").fast_dtypes == ("bf16", "fp16")
+
+
+def _cpuinfo_flags() -> set[str] | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), None)
+    return set(line.split(":", 1)[1].split()) if line else None
+
+
+def test_this_cpus_fast_dtypes_agree_with_what_torch_and_the_kernel_report():
+    devices.describe.cache_clear()
+    info = devices.describe("cpu")
+    bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert ("bf16" in info.fast_dtypes) == bf16
+    if torch.cpu._is_amx_fp16_supported():
+        assert "fp16" in info.fast_dtypes
+    flags = _cpuinfo_flags()
+    if flags is not None and torch.cpu._is_avx512_supported():  # x86 Linux: the kernel's view too
+        assert ("bf16" in info.fast_dtypes) == bool({"avx512_bf16", "amx_bf16"} & flags)
+        assert ("fp16" in info.fast_dtypes) == bool({"avx512_fp16", "amx_fp16"} & flags)

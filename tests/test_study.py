@@ -135,18 +135,32 @@ def trials_of(summary, url):
     return optuna.load_study(study_name=summary.study_name, storage=url).get_trials(deepcopy=False)
 
 
-def test_baseline_then_reference_run_first_and_nothing_infeasible_reaches_the_executor(tune, url):
-    recipe = make_recipe("order")
+@pytest.mark.parametrize("fast_bf16", [True, False], ids=["cpu-with-fast-bf16", "cpu-without"])
+def test_baseline_then_reference_run_first_and_nothing_infeasible_reaches_the_executor(
+    tune, url, monkeypatch, fast_bf16
+):
+    """The baseline is what a careful user picks on this device: bf16 autocast where bf16 is fast
+    (then an fp32 copy of it is the loss reference), fp32 where it is not (its own reference)."""
+    import dataclasses
+
+    import tuner.study
+
+    device = dataclasses.replace(CPU, fast_dtypes=("bf16",) if fast_bf16 else ())
+    monkeypatch.setattr(tuner.study, "describe", lambda family: device)
+    recipe = make_recipe(f"order-{fast_bf16}")
     ex = FakeExecutor()
     summary = tune(recipe, ex, trials=8)
     trials = trials_of(summary, url)
     assert trials[0].user_attrs["role"] == "baseline"
     base = config_from_params(trials[0].params)
-    # Largest micro-batch that divides the global batch over dp=2, AMP O1 bf16, flash, no recompute.
+    # Largest micro-batch that divides the global batch over dp=2, flash, no recompute.
     got = (base.micro_batch_size, base.dp, base.amp, base.attention, base.recompute)
-    assert got == (8, 2, "O1", "flash", "none")
-    assert trials[1].user_attrs["role"] == "fp32_reference"
-    assert config_from_params(trials[1].params).amp == "O0"
+    assert got == (8, 2, "O1" if fast_bf16 else "O0", "flash", "none")
+    if fast_bf16:
+        assert trials[1].user_attrs["role"] == "fp32_reference"
+        assert config_from_params(trials[1].params).amp == "O0"
+    else:
+        assert "fp32_reference" not in {t.user_attrs.get("role") for t in trials}
     for spec in ex.submitted:
         assert not infeasible_reasons(Config(**spec.config), recipe, CPU)
     pruned = [t for t in trials if t.state == TrialState.PRUNED]

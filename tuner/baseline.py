@@ -24,7 +24,12 @@ def _pick(space: SearchSpace, name: str, preferred: list[Any]) -> Any:
 
 def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> Config:
     """Largest micro-batch that fits (per the estimator), no recompute, flash attention where
-    available, AMP O1 with bf16 where supported, dp over all devices, other knobs at defaults."""
+    available, dp over all devices, other knobs at defaults; AMP O1 with the device's preferred
+    fast dtype (bf16, then fp16) when the space has one, else fp32 (O0).
+
+    Only a dtype the device runs natively counts (`DeviceInfo.fast_dtypes`): autocast to bf16 on
+    a CPU without AVX512-BF16/AMX is several times slower than fp32, and no careful user picks it.
+    """
     devices = recipe.hardware.devices
     splits = space.splits(devices)
     dp, tp, pp = (devices, 1, 1) if (devices, 1, 1) in splits else max(splits, default=(devices, 1, 1))
@@ -42,8 +47,10 @@ def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> C
         recompute=_pick(space, "recompute", ["none"]),
         attention=_pick(space, "attention", attention),
     )
-    if "bf16" in device.amp_dtypes and "bf16" in (space.domains["amp_dtype"] or ()):
-        values.update(amp=_pick(space, "amp", ["O1"]), amp_dtype="bf16")
+    allowed = space.domains["amp_dtype"] or ()
+    fast = [d for d in device.fast_dtypes if d in device.amp_dtypes and d in allowed]
+    if fast:
+        values.update(amp=_pick(space, "amp", ["O1"]), amp_dtype=fast[0])
     else:
         values.update(amp=_pick(space, "amp", ["O0"]))
     sizes = sorted(space.domains["micro_batch_size"] or (1,), reverse=True)

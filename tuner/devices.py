@@ -1,8 +1,8 @@
 """The device layer: which family runs a trial (cpu, cuda, npu) and what that family offers.
 
 Everything device-specific lives here: the distributed backend, synchronisation, peak-memory
-readings, peak FLOP/s for MFU, and which attention backends and dtypes exist. Ascend NPUs are
-used through `torch_npu` only when it imports.
+readings, peak FLOP/s for MFU, which attention backends and dtypes exist, and which of those
+dtypes are fast. Ascend NPUs are used through `torch_npu` only when it imports.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class DeviceInfo:
     attention_backends: tuple[str, ...]
     amp_dtypes: tuple[str, ...]  # low-precision dtypes autocast supports here
     compile_modes: tuple[str, ...]  # torch.compile modes that work here
+    # The subset of amp_dtypes whose matmuls run faster than fp32 here (native units: tensor cores,
+    # AMX, AVX512-BF16), best first; see `fast_dtypes`. Empty means low precision only emulates.
+    fast_dtypes: tuple[str, ...] = ()
     supports_tf32: bool = False
     supports_pin_memory: bool = False
     supports_offload: bool = False
@@ -132,6 +135,50 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
+# Preference order among fast dtypes: bf16 needs no loss scaling, fp16 does.
+_LOW_DTYPES = ("bf16", "fp16")
+
+
+def cpu_features() -> dict[str, bool]:
+    """The CPU's instruction-set features as torch reports them (`torch.cpu.get_capabilities`)."""
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    if caps is not None:
+        return {k: v for k, v in caps().items() if isinstance(v, bool)}
+    # Older torch has only the private probes; every AMX part so far has AMX-BF16 with its tiles.
+    probe = {
+        "avx512_f": "_is_avx512_supported",
+        "avx512_bf16": "_is_avx512_bf16_supported",
+        "amx_bf16": "_is_amx_tile_supported",
+        "amx_fp16": "_is_amx_fp16_supported",
+    }
+    return {k: bool(getattr(torch.cpu, fn, lambda: False)()) for k, fn in probe.items()}
+
+
+def fast_dtypes(family: str, *, cpu: dict[str, bool] | None = None, capability: int = 0) -> tuple[str, ...]:
+    """The low-precision dtypes whose matmuls beat fp32 on a device, in order of preference.
+
+    The one rule: CPU by ISA (`cpu`, from `cpu_features`), CUDA by compute capability (major,
+    e.g. 8 for sm_80), Ascend always both. Without native units autocast still runs bf16/fp16,
+    but by converting to fp32 and back, which is slower than fp32 itself.
+    """
+    if family == "cpu":
+        cpu = cpu or {}
+        # ARM bf16 (BFMMLA) is not counted: unmeasured by us; such CPUs get an fp32 baseline and
+        # the search still tries bf16.
+        native = {
+            "bf16": cpu.get("avx512_bf16") or cpu.get("amx_bf16"),
+            "fp16": cpu.get("avx512_fp16") or cpu.get("amx_fp16"),
+        }
+    elif family == "cuda":
+        # Tensor cores: fp16 from Volta (7.0), bf16 from Ampere (8.0).
+        native = {"bf16": capability >= 8, "fp16": capability >= 7}
+    elif family == "npu":
+        native = {"bf16": True, "fp16": True}  # the cube unit (910B) does both natively
+    else:
+        raise ValueError(f"unknown device family {family!r}")
+    return tuple(d for d in _LOW_DTYPES if native[d])
+
+
 @functools.cache
 def describe(family: str) -> DeviceInfo:
     if family == "cpu":
@@ -144,6 +191,7 @@ def describe(family: str) -> DeviceInfo:
             attention_backends=("math", "flash"),
             amp_dtypes=("bf16", "fp16"),
             compile_modes=("none", "default", "max-autotune"),
+            fast_dtypes=fast_dtypes("cpu", cpu=cpu_features()),
         )
     if family == "cuda":
         props = torch.cuda.get_device_properties(0)
@@ -161,6 +209,7 @@ def describe(family: str) -> DeviceInfo:
             attention_backends=tuple(attn),
             amp_dtypes=dtypes,
             compile_modes=("none", "default", "max-autotune", "reduce-overhead"),
+            fast_dtypes=fast_dtypes("cuda", capability=major),
             supports_tf32=major >= 8,
             supports_pin_memory=True,
             supports_offload=True,
@@ -183,6 +232,7 @@ def describe(family: str) -> DeviceInfo:
             amp_dtypes=("bf16", "fp16"),
             # torch.compile on Ascend needs torchair, which we do not drive; eager only.
             compile_modes=("none",),
+            fast_dtypes=fast_dtypes("npu"),
             supports_pin_memory=True,
             supports_offload=True,
             extra={"torch_npu": getattr(mod, "__version__", "unknown")},
