@@ -30,17 +30,26 @@ measure: {warmup_steps: 1, steps: %(steps)d, timeout_s: 120}
 """
 
 
-class Server:
-    """`tuner serve` in its own process group, so a test can kill it (and its worker) at once."""
+# Settings that name a place: a server started with none of them keeps everything in its cwd.
+PATH_SETTINGS = ("TUNER_DATABASE_URL", "TUNER_ARTIFACT_DIR", "TUNER_RUNS_DIR")
 
-    def __init__(self, workdir: Path, db_url: str, workers: int = 1, **env: str):
-        self.db_url = db_url
-        self.workdir = workdir
+
+class Server:
+    """`tuner serve` in its own process group, so a test can kill it (and its worker) at once.
+
+    With `db_url=None` it runs as a newcomer starts it: from an empty working directory `cwd`,
+    with no path settings at all (database ./tuner.db, builds ./builds, trials ./runs)."""
+
+    def __init__(self, workdir: Path, db_url: str | None, workers: int = 1, **env: str):
+        self.workdir = workdir  # the test's files: the server log
+        self.cwd = workdir / "fresh" if db_url is None else workdir
+        self.cwd.mkdir(exist_ok=True)
+        self.db_url = db_url or f"sqlite:///{self.cwd / 'tuner.db'}"
         self.workers = workers
-        self.env = {
-            **os.environ,
-            "TUNER_DATABASE_URL": db_url,
-            "TUNER_ARTIFACT_DIR": str(workdir / "artifacts"),
+        self.env = {k: v for k, v in os.environ.items() if k not in PATH_SETTINGS}
+        if db_url is not None:
+            self.env |= {"TUNER_DATABASE_URL": db_url, "TUNER_ARTIFACT_DIR": str(workdir / "artifacts")}
+        self.env |= {
             "TUNER_REMEASURE_TOP": "0",  # one run per config: this test checks plumbing, not noise
             "TUNER_MAX_TRIALS": "5",
             **env,
@@ -50,7 +59,7 @@ class Server:
 
     def tuner(self, *args: str) -> str:
         out = subprocess.run(
-            [sys.executable, "-m", "tuner.cli.main", *args], env=self.env, cwd=self.workdir,
+            [sys.executable, "-m", "tuner.cli.main", *args], env=self.env, cwd=self.cwd,
             capture_output=True, text=True, timeout=120, check=True,
         )  # fmt: skip
         return out.stdout.strip()
@@ -63,7 +72,7 @@ class Server:
         log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - the server owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tuner.cli.main", "serve", "--port", str(port), "--workers", str(self.workers)],
-            env=self.env, cwd=self.workdir, stdout=log, stderr=log, start_new_session=True,
+            env=self.env, cwd=self.cwd, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -153,16 +162,18 @@ def _check_snapshot(server: Server, job_id: int) -> None:
     assert any(r.tokens_per_s for r in rows)
 
 
-def _check_build(server: Server, auth: dict, job_id: int) -> None:
+def _check_build(server: Server, auth: dict, job_id: int) -> httpx.Response:
     build = httpx.get(f"{server.base}/v1/jobs/{job_id}/build", headers=auth, timeout=60)
     assert build.status_code == 200, f"{build.text}\n{server.log()}"
     assert hashlib.sha256(build.content).hexdigest() == build.headers["X-Checksum-Sha256"]
     assert ".tar.gz" in build.headers["Content-Disposition"]
+    return build
 
 
 @pytest.fixture
 def sqlite_server(tmp_path):
-    server = Server(tmp_path, f"sqlite:///{tmp_path / 'tuner.db'}", workers=2)
+    """A newcomer's server: started in an empty directory with no path settings at all."""
+    server = Server(tmp_path, None, workers=2)
     yield server
     server.stop()
 
@@ -204,8 +215,15 @@ def test_job_survives_a_killed_server_and_another_is_cancelled(sqlite_server):
     kept = next(t for t in trials["items"] if t["number"] == finished["trial"])
     assert kept["tokens_per_s"] == pytest.approx(finished["result"]["tokens_per_s"])
     _check_best(server, auth, job_id)
-    _check_build(server, auth, job_id)
+    build = _check_build(server, auth, job_id)
     _check_snapshot(server, job_id)
+    # Everything the defaults name landed in the server's working directory, and nowhere else.
+    archive = server.cwd / "builds" / job["study_name"] / build.headers["Content-Disposition"].split('"')[1]
+    assert (
+        archive.is_file()
+        and hashlib.sha256(archive.read_bytes()).hexdigest() == build.headers["X-Checksum-Sha256"]
+    )
+    assert (server.cwd / "tuner.db").is_file() and list((server.cwd / "runs").iterdir())
 
 
 @pytest.mark.postgres

@@ -1,8 +1,10 @@
 """`tuner build` end to end on CPU: a real measured trial in a real Optuna study, built with real
 Inductor C++ codegen in processes of its own, archived, verified, launched again.
 
-One build (dp=2, so two ranks each compile their own kernels) is shared by the tests below; on the
-2 shared cores of CI it takes 1-3 minutes, most of it C++ compilation. dp rather than tp: with
+One study and one build (dp=2, so two ranks each compile their own kernels) are shared by the tests
+below, both made as a newcomer makes them: `tuner tune` then `tuner build` from a fresh, empty
+directory with no path settings. On the 2 shared cores of CI it takes 1-3 minutes, most of it C++
+compilation. dp rather than tp: with
 tp=2 (DTensor) Inductor's FX graph cache key differs between processes in torch 2.13, so the warm
 compile cannot hit the cache; the build reports that as a warning.
 """
@@ -21,7 +23,6 @@ from typer.testing import CliRunner
 
 from tuner.artifacts import ArtifactError, ArtifactStore, safe_extract
 from tuner.cli.main import app
-from tuner.config import Config
 from tuner.recipe import recipe_from_dict
 
 pytestmark = pytest.mark.slow
@@ -33,7 +34,6 @@ RECIPE = {
     "hardware": {"device": "cpu", "devices": 2},
     "measure": {"warmup_steps": 2, "steps": 6, "timeout_s": 300},
 }
-CONFIG = {"dp": 2, "tp": 1, "micro_batch_size": 8}
 
 
 def _text(run) -> str:
@@ -41,60 +41,63 @@ def _text(run) -> str:
     return " ".join(run.output.split())
 
 
+# Settings that name a place; the CLI's end-to-end run below uses none of them.
+PATH_SETTINGS = ("TUNER_DATABASE_URL", "TUNER_ARTIFACT_DIR", "TUNER_RUNS_DIR")
+
+
+def _newcomer(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`tuner ARGS` as a newcomer runs it: in `cwd`, with no path settings (./tuner.db, ./builds)."""
+    env = {k: v for k, v in os.environ.items() if k not in PATH_SETTINGS} | {"COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "tuner.cli.main", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """A study holding one real trial (eager, dp=2), measured by the real trial runner."""
-    import optuna
-    from optuna.distributions import CategoricalDistribution
-    from optuna.trial import create_trial
-
-    from tuner.executors.local import run_trial
-    from tuner.fingerprint import fingerprint
-    from tuner.result import RESULT_KEYS, TrialSpec
-    from tuner.space import trial_params
-    from tuner.storage import get_storage
-    from tuner.study import study_name
-
+    """`tuner tune` from a fresh, empty directory with default settings: one real trial (eager,
+    dp=2, micro-batch 8) in ./tuner.db. Its search is narrowed to that one config."""
     tmp = tmp_path_factory.mktemp("build")
-    recipe = recipe_from_dict(RECIPE)
-    config = Config.from_params(CONFIG)
-    spec = TrialSpec(recipe.to_dict(), config.to_dict(), "cpu", str(tmp / "trial"), timeout_s=300, tag="0")
-    result = run_trial(spec)
-    assert result.status == "ok", result.error
-    url = f"sqlite:///{tmp}/tuner.db"
-    name = study_name(recipe, fingerprint("cpu"))
-    study = optuna.create_study(study_name=name, storage=get_storage(url), direction="maximize")
-    params = trial_params(config)
-    attrs = {k: getattr(result, k) for k in RESULT_KEYS if getattr(result, k) is not None}
-    study.add_trial(
-        create_trial(
-            params=params,
-            distributions={k: CategoricalDistribution([v]) for k, v in params.items()},
-            value=result.tokens_per_s,
-            user_attrs=attrs | {"losses": result.losses, "step_times": result.step_times},
-        )
-    )
-    recipe_path = tmp / "recipe.yaml"
-    recipe_path.write_text(yaml.safe_dump(RECIPE))
-    return {"tmp": tmp, "url": url, "study": name, "result": result, "recipe_path": str(recipe_path)}
+    fresh = tmp / "fresh"
+    fresh.mkdir()
+    narrowed = {
+        **RECIPE,
+        "search": {
+            "trials": 1,
+            "overrides": {"micro_batch_size": [8], "dp": [2], "tp": [1], "pp": [1], "amp": ["O0"],
+                          "attention": ["math"], "compile": ["none"], "recompute": ["none"]},
+        },
+    }  # fmt: skip
+    (tmp / "recipe.yaml").write_text(yaml.safe_dump(narrowed))
+    tune = _newcomer("tune", str(tmp / "recipe.yaml"), "--remeasure", "0", "--json", cwd=fresh)
+    assert tune.returncode == 0, tune.stderr[-3000:]
+    summary = json.loads(tune.stdout)
+    assert summary["best"]["config"]["dp"] == 2 and summary["best"]["config"]["micro_batch_size"] == 8
+    return {
+        "tmp": tmp,
+        "fresh": fresh,
+        "url": f"sqlite:///{fresh / 'tuner.db'}",
+        "study": summary["study_name"],
+        "tokens_per_s": summary["best"]["tokens_per_s"],
+        "recipe_path": str(tmp / "recipe.yaml"),
+    }
 
 
 @pytest.fixture(scope="module")
 def built(measured):
-    """`tuner build RECIPE --json`: the record it printed and the archive it wrote."""
-    store = measured["tmp"] / "builds"
-    run = CliRunner().invoke(
-        app, ["build", measured["recipe_path"], "--storage", measured["url"], "--out", str(store), "--json"]
-    )
-    assert run.exit_code == 0, run.output
+    """`tuner build RECIPE --json` in the same directory, again with default settings: the record
+    it printed and the archive it wrote (under ./builds)."""
+    run = _newcomer("build", measured["recipe_path"], "--json", cwd=measured["fresh"])
+    assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(run.stdout)
     out = safe_extract(record["path"], measured["tmp"] / "unpacked")
-    return {"record": record, "store": ArtifactStore(store), "dir": out}
+    return {"record": record, "store": ArtifactStore(measured["fresh"] / "builds"), "dir": out}
 
 
 def test_archive_is_registered_and_every_checksum_matches(measured, built):
     record = built["record"]
-    assert Path(record["path"]) == measured["tmp"] / "builds" / measured["study"] / "0.tar.gz"
+    assert Path(record["path"]) == measured["fresh"] / "builds" / measured["study"] / "0.tar.gz"
     manifest = built["store"].verify(record["path"], sha256=record["sha256"])
     for name in ["config.json", "launch.sh", "spec.json", "compile-cache.bin", "compiled-kernels.tar",
                  "kernels/index.json", "profile/breakdown.json", "profile/trace-rank0.json",
@@ -172,7 +175,7 @@ def test_launch_sh_reproduces_the_trials_throughput(measured, built):
     # The build's compiled kernels are where the run's TORCHINDUCTOR_CACHE_DIR points.
     assert list((built["dir"] / "run" / "inductor").glob("*/*.so"))
     result = json.loads((built["dir"] / "run" / "result.json").read_text())
-    references = [measured["result"].tokens_per_s, built["record"]["eager_tokens_per_s"]]
+    references = [measured["tokens_per_s"], built["record"]["eager_tokens_per_s"]]
     assert any(ref / 2 < result["tokens_per_s"] < ref * 2 for ref in references), (result, references)
 
 
@@ -243,12 +246,12 @@ def test_build_past_its_timeout_fails_cleanly_and_leaves_no_process(measured, tm
             measured["url"],
             "--out",
             str(tmp_path),
-            "--timeout",
+            "--timeout-s",
             "10",
         ],
     )
     assert run.exit_code == 1
-    assert "(timeout)" in _text(run) and "raise --timeout" in _text(run)
+    assert "(timeout)" in _text(run) and "raise --timeout-s" in _text(run)
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -261,7 +261,9 @@ def test_a_job_taken_over_by_another_worker_is_left_alone(sqlite_url, monkeypatc
 
 
 def test_settings_from_env_apply_the_service_limits(monkeypatch):
+    from tuner.settings import Settings
+
     monkeypatch.setenv("TUNER_MAX_TRIALS", "7")
     monkeypatch.setenv("TUNER_REMEASURE_TOP", "0")
-    s = WorkerSettings.from_env(executor=None)
+    s = WorkerSettings.from_settings(Settings.from_env(), executor=None)
     assert (s.max_trials, s.remeasure_top, s.executor) == (7, 0, "local")

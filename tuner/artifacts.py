@@ -14,7 +14,8 @@ import zlib
 from pathlib import Path
 from typing import IO
 
-ENV_VAR = "TUNER_ARTIFACT_DIR"
+from tuner.settings import absolute_path, artifact_dir
+
 MANIFEST = "manifest.json"
 # Study names become directory names: letters, digits, '.', '_', '-' only, never a leading dot
 # (no hidden directories, no '.' or '..').
@@ -138,13 +139,14 @@ def safe_extract(archive: str | Path, dest: str | Path) -> Path:
 class ArtifactStore:
     """A directory of builds: `<root>/<study>/<trial>.tar.gz`, each with a `.sha256` file beside it.
 
-    The root is `root`, else `TUNER_ARTIFACT_DIR`, else `./builds`. Every path is derived from a
-    checked study name and trial number and must resolve inside the root, so a caller cannot reach
-    outside it with `..`, an absolute path or a symlinked directory.
+    The root is `root`, else `TUNER_ARTIFACT_DIR`, else `./builds` (`tuner.settings`), made absolute
+    here: builds are compiled by processes running in other directories. Every path is derived
+    from a checked study name and trial number and must resolve inside the root, so a caller
+    cannot reach outside it with `..`, an absolute path or a symlinked directory.
     """
 
     def __init__(self, root: str | Path | None = None):
-        self.root = Path(root or os.environ.get(ENV_VAR) or "builds")
+        self.root = absolute_path(root) if root else artifact_dir()
 
     def path_for(self, study: str, trial: int) -> Path:
         check_study_name(study)

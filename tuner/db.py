@@ -5,7 +5,6 @@ share the database."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,17 +28,15 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-DEFAULT_DATABASE_URL = "sqlite:///tuner.db"
+# One default database and one rule for resolving it: tuner.settings (re-exported for callers here).
+from tuner.settings import DEFAULT_DATABASE_URL, absolute_database_url, database_url  # noqa: F401
+
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINAL_STATES = ("succeeded", "failed", "cancelled")
 
 
 class DatabaseError(RuntimeError):
     """The database refused or could not be reached; the message says which and what to check."""
-
-
-def database_url() -> str:
-    return os.environ.get("TUNER_DATABASE_URL") or DEFAULT_DATABASE_URL
 
 
 def utcnow() -> dt.datetime:
@@ -156,8 +153,9 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
 
 
 def get_engine(url: str | None = None) -> Engine:
-    """One engine per URL per process (engines own connection pools)."""
-    url = url or database_url()
+    """One engine per URL per process (engines own connection pools). A relative SQLite file is
+    resolved against the current directory here too, so both spellings share one engine."""
+    url = absolute_database_url(url or database_url())
     with _engines_lock:
         engine = _engines.get(url)
         if engine is None:

@@ -9,7 +9,7 @@ from typing import Any
 import optuna
 import sqlalchemy
 
-from tuner.db import database_url
+from tuner.settings import absolute_database_url, database_url
 
 _SQLITE_BUSY_TIMEOUT_S = 60
 
@@ -18,9 +18,9 @@ _storages: dict[str, optuna.storages.RDBStorage] = {}
 
 
 def default_storage_url() -> str:
-    """`TUNER_DATABASE_URL`, else a SQLite file `tuner.db` in the current directory.
+    """`TUNER_DATABASE_URL`, else a SQLite file `tuner.db` in the current directory (absolute).
 
-    Optuna's tables and the service's share one database, so this is `tuner.db.database_url`."""
+    Optuna's tables and the service's share one database, so this is `tuner.settings.database_url`."""
     return database_url()
 
 
@@ -49,7 +49,7 @@ def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
 
     One object per URL per process: each RDBStorage owns an engine and a connection pool.
     """
-    url = url or default_storage_url()
+    url = absolute_database_url(url or default_storage_url())
     with _lock:
         storage = _storages.get(url)
         if storage is not None:

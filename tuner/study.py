@@ -28,6 +28,7 @@ from tuner.prune import calibration_factor, verdict
 from tuner.recipe import Recipe
 from tuner.result import RESULT_KEYS, TrialResult, TrialSpec
 from tuner.resume import HEARTBEAT_KEY, OWNER_KEY, new_owner, recover_dead_trials, warm_start_configs
+from tuner.settings import absolute_path, runs_dir
 from tuner.space import SearchSpace, config_from_params, load_space, trial_params
 from tuner.storage import default_storage_url, get_storage
 from tuner.summary import REMEASURED_PREFIX, StudySummary, build_summary
@@ -113,7 +114,7 @@ class _Driver:
         self.owner = new_owner()
         self.pending: dict[str, _Pending] = {}
         self.calibration = 1.0  # measured/estimated peak memory so far (see _refresh)
-        self.workdir = Path(opts["workdir"] or "runs") / self.name
+        self.workdir = (absolute_path(opts["workdir"]) if opts["workdir"] else runs_dir()) / self.name
         self.progress: Progress = opts["progress"] or (lambda _event: None)
         self.should_stop = opts["should_stop"] or (lambda: False)
         self._grid: list[Config] | None = None

@@ -10,14 +10,15 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, database_url, session_scope, utcnow
+from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, session_scope, utcnow
 from tuner.resume import pid_dead
+from tuner.settings import Settings, artifact_dir
 from tuner.study_rows import snapshot_study
 
 log = logging.getLogger("tuner.worker")
@@ -120,9 +121,12 @@ def claim_job(url: str | None, worker_id: str) -> int | None:
 
 @dataclass
 class WorkerSettings:
+    """What a worker needs: the service's settings (`tuner.settings.Settings`, read and checked once
+    by the command that starts the worker) plus the worker's own timing."""
+
     database_url: str
     executor: str = "local"
-    artifact_dir: str = "artifacts"
+    artifact_dir: str = field(default_factory=lambda: str(artifact_dir()))
     max_trials: int | None = None  # the service's per-job caps (TUNER_MAX_TRIALS, ...)
     max_timeout_min: float | None = None
     heartbeat_s: float = HEARTBEAT_S
@@ -133,22 +137,17 @@ class WorkerSettings:
     build: bool = True  # build the winner's kernels (TUNER_BUILD=false: e.g. no compiler on workers)
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> WorkerSettings:
-        def num(name: str) -> int | None:
-            raw = os.environ.get(name)
-            return int(raw) if raw and raw.isdigit() else None
-
+    def from_settings(cls, settings: Settings, **overrides: Any) -> WorkerSettings:
         values: dict[str, Any] = {
-            "database_url": database_url(),
-            "executor": os.environ.get("TUNER_EXECUTOR") or "local",
-            "artifact_dir": os.environ.get("TUNER_ARTIFACT_DIR") or "artifacts",
-            "max_trials": num("TUNER_MAX_TRIALS"),
-            "max_timeout_min": num("TUNER_MAX_TIMEOUT_MIN"),
-            "remeasure_top": num("TUNER_REMEASURE_TOP"),
-            "build": os.environ.get("TUNER_BUILD", "true").strip().lower() not in ("0", "false", "no", "off"),
+            "database_url": settings.database_url,
+            "executor": settings.executor,
+            "artifact_dir": str(settings.artifact_dir),
+            "max_trials": settings.max_trials,
+            "max_timeout_min": settings.max_timeout_min,
+            "remeasure_top": settings.remeasure_top,
+            "build": settings.build,
         }
-        values.update(overrides)
-        values = {k: v for k, v in values.items() if v is not None}
+        values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
 

@@ -7,7 +7,11 @@ import typer
 from tuner.cli.common import fail
 
 db_app = typer.Typer(
-    help="The service database (TUNER_DATABASE_URL, default sqlite:///tuner.db).", no_args_is_help=True
+    help=(
+        "The service database (TUNER_DATABASE_URL, default sqlite:///tuner.db).\n\n"
+        "\b\nExamples:\n  tuner db upgrade\n  tuner db current --database-url postgresql+psycopg://tuner@db/tuner"
+    ),
+    no_args_is_help=True,
 )
 
 
@@ -17,12 +21,19 @@ def upgrade_cmd(
         None, "--database-url", envvar="TUNER_DATABASE_URL", help="Database URL."
     ),
 ) -> None:
-    """Create or migrate the service's tables (jobs, builds, tokens, nightly results)."""
-    from tuner.db import DatabaseError
-    from tuner.db import database_url as default_url
-    from tuner.migrations import prepare_database
+    """Create or migrate the service's tables (jobs, builds, tokens, nightly results) and Optuna's.
 
-    url = database_url or default_url()
+    \b
+    Examples:
+      tuner db upgrade
+      TUNER_DATABASE_URL=postgresql+psycopg://tuner@db:5432/tuner tuner db upgrade
+    """
+    from tuner.db import DatabaseError
+    from tuner.migrations import prepare_database
+    from tuner.settings import absolute_database_url
+    from tuner.settings import database_url as default_url
+
+    url = absolute_database_url(database_url) if database_url else default_url()
     try:
         before, after = prepare_database(url)  # Optuna's tables too: one database, one command
     except DatabaseError as err:
@@ -40,7 +51,13 @@ def current_cmd(
         None, "--database-url", envvar="TUNER_DATABASE_URL", help="Database URL."
     ),
 ) -> None:
-    """Show the schema revision and whether it is current."""
+    """Show the schema revision and whether it is current.
+
+    \b
+    Examples:
+      tuner db current
+      tuner db current --database-url sqlite:////srv/tuner/tuner.db
+    """
     from sqlalchemy import exc
 
     from tuner.migrations import current_revision, head_revision

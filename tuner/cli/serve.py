@@ -84,36 +84,68 @@ def _stop_group(leader: subprocess.Popen, grace_s: float = 15.0) -> None:
     leader.wait()
 
 
+SERVE_HELP = """Run the REST API, the dashboard (/ui) and its job workers in one command.
+
+The database schema is brought up to date first. Settings come from the environment, read and checked once here and handed to the workers: TUNER_DATABASE_URL (default: ./tuner.db), TUNER_ARTIFACT_DIR (default: ./builds), TUNER_RUNS_DIR (default: ./runs), TUNER_EXECUTOR, RAY_ADDRESS, TUNER_PUBLIC_READS, TUNER_MAX_TRIALS, TUNER_MAX_TIMEOUT_MIN, TUNER_REMEASURE_TOP, TUNER_BUILD. A bad value stops the command with exit code 2, naming the variable.
+
+\b
+Examples:
+  tuner serve
+  tuner serve --host 0.0.0.0 --port 8080 --workers 2
+  TUNER_DATABASE_URL=postgresql+psycopg://tuner@db:5432/tuner tuner serve --executor ray
+  tuner serve --workers 0          # the API only; run `tuner worker` elsewhere
+"""
+
+WORKER_HELP = """Run one job worker: claim queued jobs from the database and tune them.
+
+Reads the same settings as `tuner serve` (TUNER_DATABASE_URL, TUNER_ARTIFACT_DIR, TUNER_RUNS_DIR, TUNER_EXECUTOR, TUNER_MAX_TRIALS, ...), checked once at start. SIGTERM or Ctrl-C hands the running job back to the queue.
+
+\b
+Examples:
+  tuner worker
+  tuner worker --executor ray        # trials on the Ray cluster at $RAY_ADDRESS
+  tuner worker --once                # one job, then exit (cron, tests)
+"""
+
+
+def _settings_or_exit(**changes: object):
+    from tuner.settings import Settings, SettingsError
+
+    try:
+        return Settings.from_env().with_paths(**{k: v for k, v in changes.items() if v is not None})
+    except SettingsError as err:
+        fail(str(err))
+
+
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for all)."),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
     workers: int = typer.Option(1, "--workers", min=0, max=64, help="Job workers to start (0: API only)."),
-    executor: str = typer.Option(None, "--executor", envvar="TUNER_EXECUTOR", help="local or ray."),
+    executor: str = typer.Option(
+        None, "--executor", help="local or ray (default: $TUNER_EXECUTOR or local)."
+    ),
 ) -> None:
-    """Run the REST API and its job workers. The database schema is brought up to date first."""
     import uvicorn
 
     from api import create_app
-    from api.settings import Settings, SettingsError
     from tuner.db import DatabaseError
     from tuner.migrations import prepare_database
 
-    executor = executor or "local"
-    if executor not in ("local", "ray"):
+    if executor not in (None, "local", "ray"):
         fail(f"--executor {executor!r}: use local or ray")
-    os.environ["TUNER_EXECUTOR"] = executor
+    settings = _settings_or_exit(executor=executor)
     try:
-        settings = Settings.from_env()
         prepare_database(settings.database_url)  # once here, so the workers do not race to create tables
-    except (SettingsError, DatabaseError) as err:
+    except DatabaseError as err:
         fail(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     env = dict(os.environ)
     head = None
-    if executor == "ray" and workers and not env.get("RAY_ADDRESS"):
+    if settings.executor == "ray" and workers and not settings.ray_address:
         head = _start_local_ray(env)
-        settings = Settings.from_env()  # now with RAY_ADDRESS, for /readyz
+        settings = settings.with_paths(ray_address=env["RAY_ADDRESS"])  # for /readyz
+    env.update(settings.environ())  # the workers get exactly the settings checked here
     children = [
         subprocess.Popen(
             [sys.executable, "-m", "tuner.cli.main", "worker"], env=env, preexec_fn=_die_with_parent
@@ -130,19 +162,20 @@ def serve(
 
 
 def worker(
-    executor: str = typer.Option(None, "--executor", envvar="TUNER_EXECUTOR", help="local or ray."),
+    executor: str = typer.Option(
+        None, "--executor", help="local or ray (default: $TUNER_EXECUTOR or local)."
+    ),
     poll_s: float = typer.Option(1.0, "--poll-s", min=0.05, help="Seconds between looks at the queue."),
     once: bool = typer.Option(False, "--once", help="Run at most one job, then exit."),
 ) -> None:
-    """Run a job worker: claim queued jobs and tune them (TUNER_DATABASE_URL, TUNER_ARTIFACT_DIR)."""
     from tuner.db import DatabaseError
     from tuner.migrations import prepare_database
     from tuner.worker import Worker, WorkerSettings
 
     if executor not in (None, "local", "ray"):
         fail(f"--executor {executor!r}: use local or ray")
+    settings = WorkerSettings.from_settings(_settings_or_exit(executor=executor), poll_s=poll_s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = WorkerSettings.from_env(executor=executor, poll_s=poll_s)
     try:
         prepare_database(settings.database_url)
     except DatabaseError as err:
@@ -166,5 +199,5 @@ def worker(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
-    app.command("worker")(worker)
+    app.command("serve", help=SERVE_HELP)(serve)
+    app.command("worker", help=WORKER_HELP)(worker)

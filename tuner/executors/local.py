@@ -11,6 +11,7 @@ agent saves one torch import per trial. The caller owns the deadline and kills t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -53,6 +54,9 @@ def run_trial(
     setting `stop` ends the trial early (status error, error_kind "cancelled"); `module` is what
     each rank runs instead of RANK_MODULE (the build runs `tuner.workload.build_rank`).
     """
+    # The launcher runs in the trial's directory and the ranks read paths from the spec: a relative
+    # workdir would mean another place to each of them.
+    spec = dataclasses.replace(spec, workdir=str(Path(spec.workdir).absolute()))
     workdir = Path(spec.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
