@@ -144,7 +144,7 @@ def test_json_profile_and_derived_split(recipe, tmp_path):
 
 @pytest.mark.slow
 def test_a_failed_trial_still_exits_0_and_shows_its_status(recipe, tmp_path):
-    out = tuner(str(recipe), "--timeout", "1", "--workdir", str(tmp_path / "w"), cwd=tmp_path)
+    out = tuner(str(recipe), "--timeout-s", "1", "--workdir", str(tmp_path / "w"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "trial: timeout" in out.stdout
     assert "ran past its timeout of 1s" in out.stdout

@@ -33,7 +33,7 @@ def write_recipe(tmp_path, **changes) -> str:
     [
         (["--sampler", "annealing"], {}, "--sampler: unknown sampler 'annealing'"),
         (["--trials", "0"], {}, "--trials: must be at least 1"),
-        (["--timeout", "-1"], {}, "--timeout: must be a positive number"),
+        (["--timeout-min", "-1"], {}, "--timeout-min: must be a positive number"),
         (["--executor", "slurm"], {}, "--executor: unknown executor 'slurm'"),
         (["--storage", "nosuchdb://x"], {}, "--storage: 'nosuchdb://x' is not a database URL"),
         ([], {"search": {"overrides": {"recompute": ["sometimes"]}}}, "search.overrides.recompute"),
@@ -72,5 +72,5 @@ def test_show_reports_best_speedup_top_k_and_cost(tmp_path, monkeypatch):
     table = runner.invoke(app, ["show", str(path), "--storage", url, "--top", "2"])
     assert table.exit_code == 0
     text = " ".join(table.output.split())
-    assert "best config" in text and "speedup over the baseline" in text and "device-seconds" in text
+    assert "best config" in text and "speedup over the baseline" in text and "search cost" in text and "of device time" in text
     assert "top 2 configs" in text

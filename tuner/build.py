@@ -171,7 +171,7 @@ def _run_phase(spec: TrialSpec, env: dict[str, str], deadline: float, what: str)
 
     left = deadline - time.monotonic()
     if left <= 1:
-        raise BuildError(f"the build ran out of time before the {what}; raise --timeout")
+        raise BuildError(f"the build ran out of time before the {what}; raise --timeout-s")
     spec = dataclasses.replace(spec, timeout_s=left)
     # run_trial supervises from a thread: Ctrl-C here sets `stop`, and run_trial then ends the
     # phase's whole process session instead of leaving compiler processes behind.
@@ -194,7 +194,7 @@ def _run_phase(spec: TrialSpec, env: dict[str, str], deadline: float, what: str)
         raise
     result = box["r"]
     if result.status != "ok":
-        hint = "; raise --timeout" if result.status == "timeout" else ""
+        hint = "; raise --timeout-s" if result.status == "timeout" else ""
         raise BuildError(f"{what} failed ({result.status}): {result.error}{hint}; log: {result.log_path}")
     return result
 

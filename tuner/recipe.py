@@ -179,10 +179,38 @@ def parse_recipe(text: str, source: str | None = None) -> Recipe:
     return recipe_from_dict(data, source)
 
 
-def load_recipe(path: str | Path) -> Recipe:
+# A recipe is a page of YAML; anything larger is the wrong file (the REST API caps bodies at 1 MiB).
+MAX_RECIPE_BYTES = 1_048_576
+
+
+def read_recipe_text(path: str | Path) -> str:
+    """The text of a recipe file, or a RecipeError naming the file and what is wrong with it
+    (missing, a directory, unreadable, too large, binary, not UTF-8)."""
     p = Path(path)
+    source = str(p)
+
+    def refuse(message: str) -> RecipeError:
+        return RecipeError([("", message)], source)
+
+    if p.is_dir():
+        raise refuse("is a directory, not a recipe file; give the path of a YAML or JSON file")
     try:
-        text = p.read_text()
+        with open(p, "rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)  # bounded: a FIFO or /dev/zero must not hang us
     except OSError as err:
-        raise RecipeError([("", f"cannot read recipe file: {err.strerror}")], str(p)) from None
-    return parse_recipe(text, str(p))
+        raise refuse(f"cannot read recipe file: {err.strerror or err}") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise refuse(f"larger than {MAX_RECIPE_BYTES // 1024} KiB; a recipe is a short YAML or JSON file")
+    if b"\x00" in data:
+        raise refuse("is a binary file, not YAML or JSON text")
+    try:
+        return data.decode("utf-8-sig")  # a UTF-8 byte-order mark is allowed, and dropped
+    except UnicodeDecodeError as err:
+        raise refuse(
+            f"is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); save it as UTF-8"
+        ) from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe file; every fault is a RecipeError naming the file."""
+    return parse_recipe(read_recipe_text(path), str(Path(path)))

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import typer
 
-from tuner.cli.common import err_console, fail, load_recipe_or_exit
+from tuner.cli.common import (
+    LEGACY_TIMEOUT,
+    absolute,
+    err_console,
+    fail,
+    load_recipe_or_exit,
+    refuse_renamed_timeout,
+    storage_or_exit,
+)
 
 HELP = """Build the fused kernels of RECIPE's best trial (or --trial N) from its study.
 
@@ -45,28 +53,31 @@ def build(
         metavar="DIR",
         help="Artifact store directory (default: TUNER_ARTIFACT_DIR or ./builds).",
     ),
-    timeout: float = typer.Option(
-        900, "--timeout", metavar="S", help="Give up on the build after S seconds."
+    timeout_s: float = typer.Option(
+        900, "--timeout-s", metavar="S", help="Give up on the build after S seconds."
     ),
+    legacy_timeout: str | None = LEGACY_TIMEOUT,
     as_json: bool = typer.Option(False, "--json", help="Print the build record as JSON."),
 ) -> None:
     from tuner.artifacts import ArtifactError, ArtifactStore
     from tuner.build import BuildError, NoStudyError, NoTrialError, build_trial
 
+    refuse_renamed_timeout(legacy_timeout, "--timeout-s", "SECONDS")
     recipe = load_recipe_or_exit(recipe_path)
-    if timeout <= 0:
-        fail(f"--timeout: must be a positive number of seconds, got {timeout:g}")
+    if timeout_s <= 0:
+        fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}")
     if trial is not None and trial < 0:
         fail(f"--trial: must be a trial number >= 0, got {trial}")
-    store = ArtifactStore(out)
+    url = storage_or_exit(storage)
+    store = ArtifactStore(absolute(out))
     try:
         with _Progress() as progress:
             record = build_trial(
                 recipe,
                 trial_number=trial,
-                storage_url=storage,
+                storage_url=url,
                 store=store,
-                timeout_s=timeout,
+                timeout_s=timeout_s,
                 progress=progress,
             )
     except (NoStudyError, NoTrialError) as err:

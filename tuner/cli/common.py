@@ -1,7 +1,9 @@
-"""Helpers shared by CLI commands: loading a recipe with a clean error, parsing --set."""
+"""Helpers shared by CLI commands: loading a recipe with a clean error, parsing --set, checking a
+database URL, and the options every command spells the same way."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
@@ -9,11 +11,26 @@ from rich.console import Console
 
 err_console = Console(stderr=True)
 
+# `--timeout` meant seconds in some commands and minutes in others. Each option name now has one
+# unit (`--timeout-s`, `--timeout-min`); the old name is kept, hidden, only to say so.
+LEGACY_TIMEOUT = typer.Option(
+    None, "--timeout", hidden=True, help="Renamed: see --timeout-s / --timeout-min."
+)
+
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a user error (no traceback) and exit; 2 means bad input."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def refuse_renamed_timeout(given: str | None, new_name: str, unit: str) -> None:
+    """Refuse the old `--timeout` spelling, naming the option that replaced it in this command."""
+    if given is not None:
+        fail(
+            f"--timeout was renamed: use {new_name} {unit} (each option name has one unit: "
+            "--timeout-s is seconds, --timeout-min is minutes)"
+        )
 
 
 def load_recipe_or_exit(path: str):
@@ -23,6 +40,26 @@ def load_recipe_or_exit(path: str):
         return load_recipe(path)
     except RecipeError as err:
         fail(str(err))
+
+
+def storage_or_exit(url: str | None) -> str:
+    """`--storage URL` (default: the settings' database), made absolute and checked to open."""
+    from tuner.settings import absolute_database_url, database_url
+    from tuner.storage import get_storage
+
+    url = absolute_database_url(url) if url else database_url()
+    try:
+        get_storage(url)
+    except ValueError as err:
+        fail(str(err))
+    return url
+
+
+def absolute(path: Path | None) -> Path | None:
+    """A path option made absolute once, where it is read (nothing downstream uses the cwd)."""
+    from tuner.settings import absolute_path
+
+    return absolute_path(path) if path is not None else None
 
 
 def parse_sets(sets: list[str]) -> dict[str, Any]:

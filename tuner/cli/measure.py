@@ -11,7 +11,15 @@ from typing import Any
 
 import typer
 
-from tuner.cli.common import err_console, fail, load_recipe_or_exit, parse_sets
+from tuner.cli.common import (
+    LEGACY_TIMEOUT,
+    absolute,
+    err_console,
+    fail,
+    load_recipe_or_exit,
+    parse_sets,
+    refuse_renamed_timeout,
+)
 
 HELP = """Measure ONE training config of RECIPE on this machine's devices.
 
@@ -51,12 +59,13 @@ def measure(
     profile: Path | None = typer.Option(
         None, "--profile", metavar="DIR", help="Profile a few extra steps; write trace + breakdown into DIR."
     ),
-    timeout: float | None = typer.Option(
+    timeout_s: float | None = typer.Option(
         None,
-        "--timeout",
+        "--timeout-s",
         metavar="S",
         help="Kill the trial after S seconds (default: recipe measure.timeout_s).",
     ),
+    legacy_timeout: str | None = LEGACY_TIMEOUT,
     device: str | None = typer.Option(
         None, "--device", metavar="cpu|cuda|npu|auto", help="Device family (default: recipe hardware.device)."
     ),
@@ -64,14 +73,16 @@ def measure(
         None,
         "--workdir",
         metavar="DIR",
-        help="Where the trial's logs go (default: runs/measure/<name>-<time>).",
+        help="Where the trial's logs go (default: $TUNER_RUNS_DIR or ./runs, then measure/<name>-<time>).",
     ),
 ) -> None:
     from tuner.config import ConfigError
 
+    refuse_renamed_timeout(legacy_timeout, "--timeout-s", "SECONDS")
     recipe = load_recipe_or_exit(recipe_path)
-    if timeout is not None and timeout <= 0:
-        fail(f"--timeout: must be a positive number of seconds, got {timeout:g}")
+    if timeout_s is not None and timeout_s <= 0:
+        fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}")
+    profile, workdir = absolute(profile), absolute(workdir)
     if device is not None and device not in ("cpu", "cuda", "npu", "auto"):
         fail(f"--device: unknown device {device!r}; use one of cpu, cuda, npu, auto")
     try:
@@ -100,13 +111,15 @@ def measure(
             f"[yellow]warning:[/] the estimator predicts {est.peak_mem_bytes / 2**30:.2f} GiB per device, "
             f"over the budget of {budget / 2**30:.2f} GiB; running anyway"
         )
-    workdir = workdir or Path("runs", "measure", f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    from tuner.settings import runs_dir
+
+    workdir = workdir or runs_dir() / "measure" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     spec = TrialSpec(
         recipe=recipe.to_dict(),
         config=config.to_dict(),
         family=family,
-        workdir=str(workdir.resolve()),
-        timeout_s=timeout or recipe.measure.timeout_s,
+        workdir=str(workdir),
+        timeout_s=timeout_s or recipe.measure.timeout_s,
         profile=profile is not None,
         estimated_peak_mem_bytes=est.peak_mem_bytes,
         memory_budget_bytes=budget,

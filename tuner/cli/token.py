@@ -6,7 +6,13 @@ import typer
 
 from tuner.cli.common import fail
 
-token_app = typer.Typer(help="API tokens for the REST service's writes (and reads).", no_args_is_help=True)
+token_app = typer.Typer(
+    help=(
+        "API tokens for the REST service's writes (and reads), stored as sha256 hashes.\n\n"
+        "\b\nExamples:\n  tuner token create --name ci-bot\n  tuner token list\n  tuner token revoke ci-bot"
+    ),
+    no_args_is_help=True,
+)
 
 
 def _session():
@@ -30,7 +36,13 @@ def _ready() -> None:
 def create_cmd(
     name: str = typer.Option(..., "--name", help="Who or what uses the token, e.g. ci-bot."),
 ) -> None:
-    """Create a token and print it once; only its hash is stored."""
+    """Create a token and print it once; only its hash is stored.
+
+    \b
+    Examples:
+      tuner token create --name ci-bot
+      export TUNER_API_TOKEN=$(tuner token create --name nightly)
+    """
     from api.auth import TokenError, create_token
 
     _ready()
@@ -47,7 +59,12 @@ def create_cmd(
 
 @token_app.command("list")
 def list_cmd() -> None:
-    """Token names, when they were created, and whether they are revoked."""
+    """Token names, when they were created, and whether they are revoked.
+
+    \b
+    Example:
+      tuner token list
+    """
     from api.auth import list_tokens
 
     _ready()
@@ -62,7 +79,12 @@ def list_cmd() -> None:
 
 @token_app.command("revoke")
 def revoke_cmd(name: str = typer.Argument(..., help="The token's name (see `tuner token list`).")) -> None:
-    """Revoke a token by name; requests with it get 403 from then on."""
+    """Revoke a token by name; requests with it get 403 from then on.
+
+    \b
+    Example:
+      tuner token revoke ci-bot
+    """
     from api.auth import TokenError, revoke_token
 
     _ready()

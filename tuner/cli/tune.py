@@ -7,7 +7,14 @@ from typing import Any
 
 import typer
 
-from tuner.cli.common import err_console, fail, load_recipe_or_exit
+from tuner.cli.common import (
+    LEGACY_TIMEOUT,
+    err_console,
+    fail,
+    load_recipe_or_exit,
+    refuse_renamed_timeout,
+    storage_or_exit,
+)
 
 SAMPLERS = ("tpe", "gp", "cmaes", "random", "grid")
 
@@ -20,7 +27,7 @@ Results live in an Optuna database (default ./tuner.db, or $TUNER_DATABASE_URL).
 \b
 Examples:
   tuner tune recipes/gpt-tiny.yaml
-  tuner tune recipes/gpt-tiny.yaml --trials 50 --timeout 20 --sampler tpe --seed 1
+  tuner tune recipes/gpt-tiny.yaml --trials 50 --timeout-min 20 --sampler tpe --seed 1
   tuner tune recipes/gpt-tiny.yaml --storage postgresql+psycopg://user@db/tuner --json
   tuner tune recipes/gpt-small.yaml --executor ray --patience 10
 
@@ -40,17 +47,6 @@ Examples:
 def register(app: typer.Typer) -> None:
     app.command("tune", help=TUNE_HELP, no_args_is_help=True)(tune)
     app.command("show", help=SHOW_HELP, no_args_is_help=True)(show)
-
-
-def _storage_or_exit(url: str | None) -> str:
-    from tuner.storage import default_storage_url, get_storage
-
-    url = url or default_storage_url()
-    try:
-        get_storage(url)
-    except ValueError as err:
-        fail(str(err))
-    return url
 
 
 def _preflight(recipe: Any, sampler: str) -> None:
@@ -98,12 +94,13 @@ def tune(
     trials: int | None = typer.Option(
         None, "--trials", "-n", metavar="N", help="Trials in the study in all (default: search.trials)."
     ),
-    timeout: float | None = typer.Option(
+    timeout_min: float | None = typer.Option(
         None,
-        "--timeout",
+        "--timeout-min",
         metavar="MIN",
         help="Start no new trial after MIN minutes (default: search.timeout_min).",
     ),
+    legacy_timeout: str | None = LEGACY_TIMEOUT,
     storage: str | None = typer.Option(
         None,
         "--storage",
@@ -124,11 +121,12 @@ def tune(
     top: int = typer.Option(5, "--top", metavar="K", help="Rows in the top-configs table."),
     as_json: bool = typer.Option(False, "--json", help="Print the study summary as JSON on stdout."),
 ) -> None:
+    refuse_renamed_timeout(legacy_timeout, "--timeout-min", "MINUTES")
     recipe = load_recipe_or_exit(recipe_path)
     if trials is not None and trials < 1:
         fail(f"--trials: must be at least 1, got {trials}")
-    if timeout is not None and timeout <= 0:
-        fail(f"--timeout: must be a positive number of minutes, got {timeout:g}")
+    if timeout_min is not None and timeout_min <= 0:
+        fail(f"--timeout-min: must be a positive number of minutes, got {timeout_min:g}")
     if patience is not None and patience < 1:
         fail(f"--patience: must be at least 1, got {patience}")
     if remeasure < 0:
@@ -138,7 +136,7 @@ def tune(
     if executor not in ("local", "ray"):
         fail(f"--executor: unknown executor {executor!r}; use local or ray")
     _preflight(recipe, sampler or recipe.search.sampler)
-    url = _storage_or_exit(storage)
+    url = storage_or_exit(storage)
 
     from tuner.executors import make_executor
     from tuner.study import run_study
@@ -155,7 +153,7 @@ def tune(
                 storage_url=url,
                 executor=runner,
                 trials=trials,
-                timeout_s=timeout * 60 if timeout is not None else None,
+                timeout_s=timeout_min * 60 if timeout_min is not None else None,
                 patience=patience,
                 sampler=sampler,
                 seed=seed,
@@ -187,7 +185,7 @@ def show(
     recipe = load_recipe_or_exit(recipe_path)
     if top < 1:
         fail(f"--top: must be at least 1, got {top}")
-    url = _storage_or_exit(storage)
+    url = storage_or_exit(storage)
     from tuner.devices import resolve_family
     from tuner.fingerprint import fingerprint
     from tuner.study import study_name
@@ -252,6 +250,8 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 
 def _report(summary: Any, as_json: bool, top: int) -> None:
+    from tuner.units import human_duration
+
     if as_json:
         typer.echo(json.dumps(summary.to_dict(), indent=1, default=str))
         return
@@ -306,9 +306,10 @@ def _report(summary: Any, as_json: bool, top: int) -> None:
     for e in summary.flagged:
         out.print(f"[yellow]excluded[/] trial {e['trial']}: {e['flag']}")
     spent = summary.device_seconds
-    by_status = ", ".join(f"{k} {v:,.0f}" for k, v in spent.items() if k != "total")
-    out.print(f"device-seconds: {spent.get('total', 0):,.0f} ({by_status or 'none'})")
+    by_status = ", ".join(f"{k} {human_duration(v)}" for k, v in spent.items() if k != "total")
+    out.print(f"search cost: {human_duration(spent.get('total', 0))} of device time ({by_status or 'none'})")
     if summary.payback_hours is not None:
         out.print(
-            f"payback: the search pays for itself after {summary.payback_hours:,.2f} h of training at the found speed"
+            f"payback: the search pays for itself after {human_duration(summary.payback_hours * 3600)} "
+            "of training at the found speed"
         )

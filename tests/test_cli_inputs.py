@@ -1,0 +1,155 @@
+"""Bad input through every command that reads a recipe (measure, tune, show, build, nightly): exit 2,
+one line naming the file and what is wrong, never a traceback. Also the option names every command
+spells the same way, and that every command's --help shows an example."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from tuner.cli.main import app
+from tuner.recipe import MAX_RECIPE_BYTES
+
+runner = CliRunner()
+
+GOOD = {
+    "name": "inputs",
+    "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256},
+    "hardware": {"device": "cpu", "devices": 1},
+}
+
+# name -> (how to make the bad recipe file at `path`, what the one-line error must say)
+BAD_FILES = {
+    "binary": (lambda p: p.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256))), "binary file"),
+    "latin-1": (lambda p: p.write_bytes("name: café\n".encode("latin-1")), "not UTF-8 text (byte 0xe9"),
+    "directory": (lambda p: p.mkdir(), "is a directory"),
+    "too large": (lambda p: p.write_text("#" * (MAX_RECIPE_BYTES + 1)), "larger than 1024 KiB"),
+    "missing": (lambda p: None, "cannot read recipe file"),
+    "not yaml": (lambda p: p.write_text("name: [unclosed\n"), "not valid YAML or JSON"),
+    "bad field": (
+        lambda p: p.write_text(yaml.safe_dump({**GOOD, "model": {**GOOD["model"], "layers": 0}})),
+        "model.layers: Input should be greater than or equal to 1",
+    ),
+    "unknown field": (
+        lambda p: p.write_text(yaml.safe_dump({**GOOD, "colour": "red"})),
+        "colour: unknown field",
+    ),
+}
+
+COMMANDS = {
+    "measure": lambda path: ["measure", path],
+    "tune": lambda path: ["tune", path],
+    "show": lambda path: ["show", path],
+    "build": lambda path: ["build", path],
+    "nightly": lambda path: ["nightly", path, "--local"],
+}
+
+
+def _one_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("kind", list(BAD_FILES))
+def test_every_command_refuses_a_bad_recipe_file_in_one_line(tmp_path, monkeypatch, command, kind):
+    monkeypatch.chdir(tmp_path)  # nothing here may be written by a refused command
+    make, expected = BAD_FILES[kind]
+    # nightly takes a folder of recipes (or one file): a folder holding none, or no such path.
+    expected = (
+        {"directory": "no recipe files", "missing": "no such folder or file"}.get(kind, expected)
+        if (command == "nightly")
+        else expected
+    )
+    path = tmp_path / "recipe.yaml"
+    make(path)
+    result = runner.invoke(app, COMMANDS[command](str(path)))
+    assert result.exit_code == 2, result.output
+    line = _one_line(result.output)
+    assert line.startswith("error: ") and str(path) in line and expected in line, line
+    assert "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["recipe.yaml"] if kind != "missing" else [])
+
+
+@pytest.mark.parametrize(
+    ("command", "new_name"),
+    [("measure", "--timeout-s"), ("build", "--timeout-s"), ("tune", "--timeout-min")],
+)
+def test_the_old_timeout_spelling_is_refused_naming_the_new_one(tmp_path, command, new_name):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    result = runner.invoke(app, [command, str(path), "--timeout", "5"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"--timeout was renamed: use {new_name}" in text and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "unit"),
+    [
+        ("measure", "--timeout-s", "seconds"),
+        ("build", "--timeout-s", "seconds"),
+        ("tune", "--timeout-min", "minutes"),
+    ],
+)
+def test_a_timeout_option_names_its_unit_in_the_message(tmp_path, command, option, unit):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    result = runner.invoke(app, [command, str(path), option, "-1"])
+    assert result.exit_code == 2, result.output
+    assert f"{option}: must be a positive number of {unit}" in " ".join(result.output.split())
+
+
+def _commands(group, prefix: tuple[str, ...] = ()):
+    """Every command and subcommand of the CLI (typer 0.29 carries its own click: duck-typed)."""
+    for name, command in sorted(group.commands.items()):
+        yield (*prefix, name), command
+        if getattr(command, "commands", None):
+            yield from _commands(command, (*prefix, name))
+
+
+ALL_COMMANDS = [path for path, _ in _commands(typer.main.get_command(app))]
+
+
+def test_the_command_list_is_what_the_readme_promises():
+    names = {" ".join(p) for p in ALL_COMMANDS}
+    assert {
+        "measure",
+        "tune",
+        "show",
+        "build",
+        "serve",
+        "worker",
+        "nightly",
+        "token create",
+        "db upgrade",
+    } <= names
+
+
+@pytest.mark.parametrize("path", ALL_COMMANDS, ids=[" ".join(p) for p in ALL_COMMANDS])
+def test_every_command_help_shows_an_example(path):
+    result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "Example" in result.output, result.output
+    # The example names the command it belongs to, ready to copy.
+    assert f"tuner {' '.join(path)}" in result.output, result.output
+
+
+def test_help_of_the_root_command_lists_every_command():
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for name in {p[0] for p in ALL_COMMANDS}:
+        assert name in result.output
+
+
+def test_recipe_with_a_byte_order_mark_is_read(tmp_path):
+    from tuner.recipe import load_recipe
+
+    path = Path(tmp_path / "bom.yaml")
+    path.write_bytes(b"\xef\xbb\xbf" + yaml.safe_dump(GOOD).encode())
+    assert load_recipe(path).name == "inputs"
