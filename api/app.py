@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 
 from api.dashboard import router as dashboard_router
-from api.errors import BodySizeLimit, install_error_handlers
+from api.errors import BodySizeLimit, document_errors, install_error_handlers
 from api.responses import FiniteJSONResponse
 from api.routes import events, jobs, system
 from api.settings import Settings
@@ -58,12 +58,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(dashboard_router)
 
     def openapi() -> dict:
-        # The recipe body is read by hand (JSON or YAML), so FastAPI cannot see its schema.
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
+            # The recipe body is read by hand (JSON or YAML), so FastAPI cannot see its schema.
             schema.setdefault("components", {}).setdefault("schemas", {}).update(
                 jobs.recipe_schemas(settings)
             )
+            document_errors(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -1,5 +1,6 @@
 """Every error the API returns has one shape, {"detail": ..., "errors": [{"field", "message"}]},
-and bad input never becomes a 500. Also the request body size limit (413)."""
+and bad input never becomes a 500; the OpenAPI document declares that shape for every error each
+operation can answer. Also the request body size limit (413)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from api.schemas import ErrorBody, FieldError
 from tuner.db import DatabaseError
 
 log = logging.getLogger("tuner.api")
@@ -27,7 +29,9 @@ class ApiError(Exception):
 
 
 def error_body(detail: str, errors: list[tuple[str, str]] = ()) -> dict[str, Any]:
-    return {"detail": detail, "errors": [{"field": f, "message": m} for f, m in errors]}
+    # Built through the model the OpenAPI document declares, so what is sent is what is documented.
+    fields = [FieldError(field=str(f), message=str(m)) for f, m in errors]
+    return ErrorBody(detail=detail, errors=fields).model_dump()
 
 
 def _field(loc: tuple[Any, ...]) -> str:
@@ -75,6 +79,59 @@ def _allowed_methods(req: Request) -> list[str]:
         if getattr(route, "methods", None) and route.matches(req.scope)[0] != Match.NONE:
             methods |= route.methods
     return sorted(methods - {"HEAD"})  # HEAD is implied by GET and not documented
+
+
+# What a status means where `document_errors` declares it. A route that declares a status itself
+# (409 on cancel, 404 "no completed trial yet" on best) keeps its own words.
+_MEANINGS = {
+    401: "No API token was sent.",
+    403: "The API token is unknown or revoked.",
+    404: "No job has this id.",
+    413: "The body is larger than this service accepts (TUNER_MAX_BODY_BYTES).",
+    422: "A parameter or the body is invalid; `errors` names each field.",
+    503: "The database is unavailable; `detail` says what to check.",
+}
+_SCHEMAS = "#/components/schemas/"
+_ERROR_CONTENT = {"application/json": {"schema": {"$ref": f"{_SCHEMAS}ErrorBody"}}}
+# What FastAPI declares for a 422 by itself: its own validation error, not what `_validation` sends.
+_FASTAPI_422 = {"application/json": {"schema": {"$ref": f"{_SCHEMAS}HTTPValidationError"}}}
+
+
+def _implied_statuses(path: str, operation: dict[str, Any]) -> list[int]:
+    """The errors an operation answers by what it is, whether or not its route declares them."""
+    statuses = []
+    if operation.get("security"):
+        statuses += [401, 403, 503]  # the token is looked up in the database
+    if "{job_id}" in path:
+        statuses.append(404)  # a route under a job id looks the job up first
+    if operation.get("parameters") or "requestBody" in operation:
+        statuses.append(422)
+    if "requestBody" in operation:
+        statuses.append(413)  # BodySizeLimit
+    return statuses
+
+
+def document_errors(schema: dict[str, Any]) -> None:
+    """Declare, in FastAPI's OpenAPI document, every error each operation can answer, each with
+    the body the handlers above send (ErrorBody), in place of FastAPI's own 422 body
+    (HTTPValidationError, whose `detail` is an array)."""
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            for status in _implied_statuses(path, operation):
+                response = responses.get(str(status))
+                if response is None or response.get("content") == _FASTAPI_422:
+                    responses[str(status)] = {"description": _MEANINGS[status]}
+            for status, response in responses.items():
+                # Every 4xx comes from a handler here; a 5xx may have a body of its own (readyz).
+                if status.startswith("4") or (status.startswith("5") and "content" not in response):
+                    response["content"] = _ERROR_CONTENT
+            operation["responses"] = dict(sorted(responses.items()))
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for fastapi_only in ("HTTPValidationError", "ValidationError"):
+        components.pop(fastapi_only, None)
+    error_schema = ErrorBody.model_json_schema(ref_template=_SCHEMAS + "{model}")
+    components.update({**error_schema.pop("$defs"), "ErrorBody": error_schema})
 
 
 class _TooLarge(Exception):

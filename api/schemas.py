@@ -20,9 +20,12 @@ class FieldError(BaseModel):
     message: str
 
 
+# api/errors.py builds every error through this model and declares it for every error status.
 class ErrorBody(BaseModel):
-    detail: str
-    errors: list[FieldError] = []
+    """The body of every error response."""
+
+    detail: str = Field(description="What went wrong and what to do about it.")
+    errors: list[FieldError] = Field(description="One entry per offending field; may be empty.")
 
 
 def _utc(value: dt.datetime | None) -> dt.datetime | None:
@@ -126,3 +129,13 @@ class SearchSpacePublic(BaseModel):
     knobs: dict[str, Any] = Field(
         description='Each knob\'s values; "divisors" = every divisor of the devices.'
     )
+
+
+class ReadinessCheck(BaseModel):
+    ok: bool
+    detail: str
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not ready"]
+    checks: dict[str, ReadinessCheck] = Field(description="database, executor: each one's verdict.")

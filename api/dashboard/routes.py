@@ -17,7 +17,7 @@ from api.dashboard.store import StudyRows, load_study_rows, with_all_attrs
 from api.deps import ReadAuth, SessionDep
 from api.errors import ApiError
 from api.responses import FiniteJSONResponse
-from api.schemas import ErrorBody, JobId, JobPublic
+from api.schemas import JobId, JobPublic
 from tuner.db import Build, Job
 
 HERE = Path(__file__).parent
@@ -30,9 +30,8 @@ TrialNumber = Annotated[
 ]
 
 pages = APIRouter(prefix="/ui", include_in_schema=False)
-data = APIRouter(
-    prefix="/ui/api", tags=["dashboard"], responses={s: {"model": ErrorBody} for s in (401, 403, 404, 422)}
-)
+# Its errors (401, 404 under a job id, 422, ...) are declared by api/errors.py's `document_errors`.
+data = APIRouter(prefix="/ui/api", tags=["dashboard"])
 
 
 def _page(name: str) -> FileResponse:
@@ -162,7 +161,10 @@ def read_plots(job_id: JobId, session: SessionDep, _: ReadAuth):
     return FiniteJSONResponse(plots.plot_data(study))
 
 
-@data.get("/jobs/{job_id}/trials/{number}")
+@data.get(
+    "/jobs/{job_id}/trials/{number}",
+    responses={404: {"description": "No job has this id, or its study has no such trial."}},
+)
 def read_trial(job_id: JobId, number: TrialNumber, session: SessionDep, _: ReadAuth):
     job = _job(session, job_id)
     study = _study(session, job)
@@ -188,7 +190,7 @@ def _ref(session, field: str, ref: str):
     return job, trial, hardware
 
 
-@data.get("/compare")
+@data.get("/compare", responses={404: {"description": "A job named in `a` or `b` is missing, or its trial."}})
 def read_comparison(
     session: SessionDep,
     _: ReadAuth,

@@ -13,12 +13,10 @@ from sqlalchemy import select
 
 from api.deps import ReadAuth, SessionDep, SettingsDep
 from api.errors import ApiError
-from api.schemas import ErrorBody, JobId
+from api.schemas import JobId
 from tuner.db import FINAL_STATES, Job, JobEvent, session_scope
 
-router = APIRouter(
-    prefix="/v1/jobs", tags=["jobs"], responses={s: {"model": ErrorBody} for s in (401, 403, 404)}
-)
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])  # errors: api/errors.py's `document_errors`
 
 POLL_S = 0.5
 KEEPALIVE_S = 15.0
@@ -55,7 +53,9 @@ def read_events(
     session: SessionDep,
     settings: SettingsDep,
     _: ReadAuth,
-    last_event_id: Annotated[str | None, Header(pattern=r"^[0-9]{0,18}$")] = None,
+    # A string, not `str | None`: a header is absent or text, and a nullable schema has clients
+    # send the text "null".
+    last_event_id: Annotated[str, Header(pattern=r"^[0-9]{0,18}$")] = "",
     after: Annotated[
         int | None, Query(ge=0, le=2**62, description="Same as Last-Event-ID, for clients without headers.")
     ] = None,

@@ -13,13 +13,14 @@ from sqlalchemy import select
 from api import trials as trial_store
 from api.deps import ReadAuth, SessionDep, SettingsDep, WriteAuth
 from api.errors import ApiError
-from api.schemas import BestPublic, ErrorBody, JobId, JobPage, JobPublic, JobState, TrialPage
+from api.schemas import BestPublic, JobId, JobPage, JobPublic, JobState, TrialPage
 from api.settings import Settings
 from tuner.db import FINAL_STATES, Build, Job, add_event, utcnow
 from tuner.recipe import Recipe, RecipeError, parse_recipe, recipe_from_dict
 
-_ERRORS = {s: {"model": ErrorBody} for s in (401, 403, 404, 422, 503)}
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses=_ERRORS)
+# The errors that follow from what a route is (401, 404 under a job id, 422, ...) are declared
+# by api/errors.py's `document_errors`; a route declares only its own (409, 415).
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 _YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 _RECIPE_BODY = {
@@ -123,7 +124,7 @@ def _check_recipe(recipe: Recipe, settings: Settings) -> None:
     status_code=202,
     response_model=JobPublic,
     openapi_extra=_RECIPE_BODY,
-    responses={413: {"model": ErrorBody}, 415: {"model": ErrorBody}},
+    responses={415: {"description": "The body is neither JSON nor YAML."}},
 )
 def create_job(
     request: Request,
@@ -180,7 +181,10 @@ def read_job(job_id: JobId, session: SessionDep, _: ReadAuth):
 
 
 @router.post(
-    "/{job_id}/cancel", status_code=202, response_model=JobPublic, responses={409: {"model": ErrorBody}}
+    "/{job_id}/cancel",
+    status_code=202,
+    response_model=JobPublic,
+    responses={409: {"description": "The job already finished."}},
 )
 def cancel_job(job_id: JobId, session: SessionDep, _: WriteAuth):
     """Cancel a job: a queued job stops at once; a running one stops its trials within seconds."""
@@ -228,7 +232,11 @@ def read_trials(
     return TrialPage(items=items, total=total, next_cursor=str(nxt) if nxt < total else None)
 
 
-@router.get("/{job_id}/best", response_model=BestPublic)
+@router.get(
+    "/{job_id}/best",
+    response_model=BestPublic,
+    responses={404: {"description": "No job has this id, or it has no completed trial yet."}},
+)
 def read_best(job_id: JobId, session: SessionDep, settings: SettingsDep, _: ReadAuth):
     """The winner so far: fastest completed config (re-measured, loss checked against fp32)."""
     job = _get_job(session, job_id)
@@ -260,7 +268,8 @@ def read_best(job_id: JobId, session: SessionDep, settings: SettingsDep, _: Read
     response_class=FileResponse,
     responses={
         200: {"content": {"application/gzip": {}}, "description": "The build tarball."},
-        409: {"model": ErrorBody},
+        404: {"description": "No job has this id, or it finished without a build."},
+        409: {"description": "The job has not finished; it is built when it succeeds."},
     },
 )
 def read_build(job_id: JobId, session: SessionDep, _: ReadAuth):
