@@ -33,13 +33,15 @@ def db_url(tmp_path):
 def fixed(tokens_per_s: float | None, fp: dict, mbs: int = 4, error: str | None = None):
     """A stand-in for tonight's tuning (the end-to-end test runs the real one)."""
     seen: list[list[dict]] = []
+    runs: list[int] = []
 
-    def tune(recipe, enqueue):
+    def tune(recipe, enqueue, run):
         seen.append(enqueue)
+        runs.append(run)
         config = {"micro_batch_size": mbs, "dp": 1} if tokens_per_s else None
         return nl.Tonight(tokens_per_s, config, fp, fp_hash(fp), error=error)
 
-    tune.seen = seen
+    tune.seen, tune.runs = seen, runs
     return tune
 
 
@@ -100,6 +102,151 @@ def test_history_one_row_per_night_and_rerun_replaces_it(db_url):
         assert rows[1].config == {"micro_batch_size": 4, "dp": 1}
 
 
+def named(tokens_per_s: float, night: dt.date):
+    """A stand-in that, like both real tuners, measures in the study `run_tag` names for its run."""
+
+    def tune(recipe, enqueue, run):
+        tune.runs.append(run)
+        study = nl.nightly_study_name(recipe, FP_A, night, run)
+        return nl.Tonight(
+            tokens_per_s, {"micro_batch_size": 4, "dp": 1}, FP_A, fp_hash(FP_A), study_name=study
+        )
+
+    tune.runs = []
+    return tune
+
+
+def test_every_run_of_a_night_gets_its_own_study_and_job_name_from_one_rule():
+    from tuner.artifacts import check_study_name
+
+    assert (nl.run_tag(NIGHT2), nl.run_tag(NIGHT2, 3)) == ("nightly-2026-11-28", "nightly-2026-11-28-run3")
+    local = [nl.nightly_study_name(RECIPE, FP_A, NIGHT2, run) for run in (1, 2, 3)]
+    jobs = [nl.nightly_job_name(RECIPE, NIGHT2, run) for run in (1, 2, 3)]
+    assert local[0].endswith("-nightly-2026-11-28") and local[1:] == [local[0] + "-run2", local[0] + "-run3"]
+    assert jobs == [f"gpt-nightly@nightly-2026-11-28{s}" for s in ("", "-run2", "-run3")]
+    for name in local:
+        check_study_name(name)  # study names name build directories
+    # The service's study name is the job's name, then the recipe hash and the fingerprint hash.
+    service = [f"{job}-{RECIPE.hash()}-3dca968c" for job in jobs]
+    assert [nl.parse_run(name, NIGHT2) for name in local + service] == [1, 2, 3, 1, 2, 3]
+    assert nl.parse_run(local[1], NIGHT1) is None and nl.parse_run(None, NIGHT2) is None
+    with pytest.raises(ValueError, match="count from 1"):
+        nl.run_tag(NIGHT2, 0)
+
+
+def test_rerunning_a_recorded_night_measures_again_and_an_unrecorded_one_resumes(db_url):
+    from sqlalchemy import select
+
+    from tuner.db import NightlyResult, session_scope
+
+    run(db_url, NIGHT1, named(1000.0, NIGHT1))
+    # Nothing recorded for tonight (also after a first run killed with -9): run 1, resuming its study.
+    assert nl.tonight_run(RECIPE.name, NIGHT2, db_url) == 1
+    first = run(db_url, NIGHT2, named(1000.0, NIGHT2))
+    # Recorded: its study's budget is spent, so a re-run is run 2, in a study of its own; until run
+    # 2 records, a killed run 2 is resumed the same way.
+    assert nl.tonight_run(RECIPE.name, NIGHT2, db_url) == 2
+    tune = named(800.0, NIGHT2)
+    again = run(db_url, NIGHT2, tune)
+    assert (tune.runs, first.run, again.run) == ([2], 1, 2)
+    assert again.study_name == first.study_name + "-run2"
+    # Compared with the latest earlier night, as the first run was, not with the first run.
+    assert (again.verdict, again.previous_night, round(again.change_pct)) == ("regression", NIGHT1, -20)
+    assert nl.exit_code([again]) == 1
+    with session_scope(db_url) as s:
+        row = s.scalar(select(NightlyResult).where(NightlyResult.night == NIGHT2))
+        assert (row.best_tokens_per_s, row.verdict, row.study_name) == (800.0, "regression", again.study_name)
+    assert run(db_url, NIGHT2, named(990.0, NIGHT2)).run == 3
+
+
+def test_a_rerun_that_failed_before_opening_a_study_keeps_the_count(db_url):
+    from sqlalchemy import select
+
+    from tuner.db import NightlyResult, session_scope
+
+    run(db_url, NIGHT2, named(1000.0, NIGHT2))
+    second = run(db_url, NIGHT2, named(1000.0, NIGHT2))
+
+    def boom(recipe, enqueue, run):
+        raise RuntimeError("ray cluster unreachable")
+
+    failed = run(db_url, NIGHT2, boom)
+    assert (failed.run, failed.verdict, failed.study_name) == (3, "failed", None)
+    with session_scope(db_url) as s:
+        row = s.scalar(select(NightlyResult).where(NightlyResult.night == NIGHT2))
+        # The night's trials are still run 2's, so the next re-run never lands in a finished study.
+        assert (row.verdict, row.best_tokens_per_s, row.study_name) == ("failed", None, second.study_name)
+    assert nl.tonight_run(RECIPE.name, NIGHT2, db_url) == 3
+
+
+def test_local_rerun_measures_again_in_a_fresh_study(db_url, monkeypatch):
+    """The reported fault: run_study's budget counts the whole study (that is how a killed run
+    resumes), so a re-run in the first run's study ran 0 trials and reported the first run's best."""
+    import contextlib
+    import types
+
+    import tuner.executors
+    import tuner.study
+
+    studies: dict[str, list[float]] = {}
+    machine = {"tokens_per_s": 1000.0}
+
+    def run_study(recipe, *, trials, study_name, **kwargs):
+        done = studies.setdefault(study_name, [])
+        done += [machine["tokens_per_s"]] * (trials - len(done))
+        best = {"tokens_per_s": max(done), "config": {"micro_batch_size": 4, "dp": 1}}
+        return types.SimpleNamespace(best=best, study_name=study_name, counts={"ok": len(done)})
+
+    monkeypatch.setattr(tuner.study, "run_study", run_study)
+    monkeypatch.setattr(tuner.executors, "make_executor", lambda name: contextlib.nullcontext())
+    tune = nl.local_tuner(night=NIGHT2, trials=2, storage_url=db_url)
+    run(db_url, NIGHT1, fixed(1000.0, FP_A))
+    first = run(db_url, NIGHT2, tune)
+    machine["tokens_per_s"] = 700.0  # the machine became slower between the two runs
+    again = run(db_url, NIGHT2, tune)
+    assert again.study_name == first.study_name + "-run2" and studies[first.study_name] == [1000.0] * 2
+    assert (again.trials, again.best_tokens_per_s, again.verdict) == (2, 700.0, "regression")
+    assert again.previous_night == NIGHT1 and nl.exit_code([again]) == 1
+
+
+def test_api_rerun_submits_a_job_of_its_own(db_url, monkeypatch):
+    import httpx
+
+    posted: list[str] = []
+    studies: dict[str, float] = {}  # the service's studies, keyed by the job's name (tuner.worker)
+    machine = {"tokens_per_s": 1000.0}
+
+    def service(request: httpx.Request) -> httpx.Response:
+        assert request.headers["authorization"] == "Bearer T"
+        if request.method == "POST":
+            name = json.loads(request.content)["name"]
+            posted.append(name)
+            study = f"{name}-{RECIPE.hash()}-3dca968c"
+            studies.setdefault(study, machine["tokens_per_s"])  # an existing study's budget is spent
+            job = {"id": len(posted), "state": "succeeded", "trials_done": 2, "trials_total": 2}
+            return httpx.Response(201, json={**job, "study_name": study})
+        if request.url.path.endswith("/best"):
+            study = f"{posted[int(request.url.path.split('/')[3]) - 1]}-{RECIPE.hash()}-3dca968c"
+            return httpx.Response(
+                200, json={"tokens_per_s": studies[study], "config": {"micro_batch_size": 4}}
+            )
+        return httpx.Response(200, json={"items": []})
+
+    real_client = httpx.Client
+    monkeypatch.setattr(
+        httpx, "Client", lambda **kw: real_client(transport=httpx.MockTransport(service), **kw)
+    )
+    tune = nl.api_tuner("http://tuner:8000", "T", night=NIGHT2, trials=2, storage_url=db_url)
+    run(db_url, NIGHT1, fixed(1000.0, FP_A))
+    first = run(db_url, NIGHT2, tune)
+    machine["tokens_per_s"] = 700.0
+    again = run(db_url, NIGHT2, tune)
+    assert posted == ["gpt-nightly@nightly-2026-11-28", "gpt-nightly@nightly-2026-11-28-run2"]
+    assert (first.job_id, again.job_id, again.run) == (1, 2, 2)
+    assert again.study_name.startswith("gpt-nightly@nightly-2026-11-28-run2-")
+    assert (again.best_tokens_per_s, again.verdict, again.previous_night) == (700.0, "regression", NIGHT1)
+
+
 def test_warm_start_is_last_nights_best_and_regression_fails_the_run(db_url):
     run(db_url, NIGHT1, fixed(1000.0, FP_A, mbs=8))
     tune = fixed(800.0, FP_A)
@@ -120,7 +267,7 @@ def test_changed_fingerprint_is_reported_and_compared_anyway(db_url):
 
 
 def test_a_crash_is_a_failed_recipe_not_a_traceback(db_url):
-    def boom(recipe, enqueue):
+    def boom(recipe, enqueue, run):
         raise RuntimeError("ray cluster unreachable")
 
     out = run(db_url, NIGHT1, boom)
@@ -153,6 +300,30 @@ def invoke(args, **kw):
     """Run the CLI; the output with rich's line wrapping undone."""
     result = CliRunner().invoke(app, args, **kw)
     return result.exit_code, " ".join(result.output.split())
+
+
+def test_help_shows_examples_and_the_crontab():
+    code, out = invoke(["nightly", "--help"])
+    assert code == 0 and "Examples: tuner nightly recipes/nightly/ --local" in out
+    assert "--night 2026-11-28" in out and "--api http://tuner:8000 --token T" in out
+    assert "Crontab" in out and "0 2 * * *" in out
+
+
+def test_report_folder_is_made_absolute_as_the_option_is_read(tmp_path, monkeypatch):
+    import tuner.cli.nightly as cli
+
+    passes = []
+    monkeypatch.setattr(cli, "_ensure_schema", lambda storage: None)
+    monkeypatch.setattr(
+        cli, "_run_pass", lambda found, night, threshold, report, **kw: passes.append(report) or 0
+    )
+    (tmp_path / "a.yaml").write_text(
+        "name: a\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert invoke(["nightly", "a.yaml", "--local", "--report", "reps"])[0] == 0
+    assert invoke(["nightly", "a.yaml", "--local"])[0] == 0
+    assert passes == [tmp_path.resolve() / "reps", tmp_path.resolve() / "nightly-reports"]
 
 
 def test_bad_input_exits_2_with_the_fix(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from tuner.cli.common import err_console, fail
+from tuner.cli.common import absolute, err_console, fail
 
 EPILOG = (
     "Exit codes: 0 all recipes fine; 1 a recipe regressed by more than --fail-on-regression, or failed; "
@@ -22,8 +22,30 @@ EPILOG = (
 )
 
 
+NIGHTLY_HELP = """Re-tune every recipe in a folder with a small budget, warm-started from the previous night's best configs, and compare the new best tokens/s with the previous night's (same hardware and software fingerprint when there is one; a changed fingerprint is reported and compared anyway).
+
+With --local, last night's best config is tonight's first trial, in a study of its own per night, so a slower machine or a slower torch shows up as a lower best. With --api each night is a job of its own (`<recipe>@nightly-<date>`) warm-started by the service from its similar studies. Writes a Markdown and a JSON report, and one history row per recipe per night (the dashboard's history page).
+
+Re-running a night measures again, in a study (or job, `...-run2`) of its own, compares with the latest earlier night and replaces the night's results; the earlier run's study is kept. A run killed before it recorded its results continues its study when run again.
+
+\b
+Examples:
+  tuner nightly recipes/nightly/ --local
+  tuner nightly recipes/nightly/ --local --night 2026-11-28 --report reports/
+  tuner nightly recipes/nightly/gpt-tiny.yaml --local --trials 4 --fail-on-regression 10%
+  tuner nightly recipes/nightly/ --api http://tuner:8000 --token T
+  tuner nightly recipes/nightly/ --local --daily-at 02:00
+"""
+
+
 def register(app: typer.Typer) -> None:
-    app.command(epilog=EPILOG)(nightly)
+    app.command("nightly", help=NIGHTLY_HELP, epilog=EPILOG)(nightly)
+
+
+def _absolute(path: Path) -> Path:
+    """--report, made absolute once as it is read: nothing later depends on the working directory
+    (a `--daily-at` pass runs for months; a report must not move if something changes the cwd)."""
+    return absolute(path)
 
 
 def nightly(
@@ -50,14 +72,19 @@ def nightly(
         help="Exit 1 when a recipe's best tokens/s dropped by more than this: '5%' or '0.05'.",
     ),
     report: Path = typer.Option(
-        Path("nightly-reports"), "--report", metavar="DIR", help="Where nightly-<date>.md and .json go."
+        Path("nightly-reports"),
+        "--report",
+        metavar="DIR",
+        callback=_absolute,
+        help="Where nightly-<date>.md and .json go (relative to the current folder).",
     ),
     night: str | None = typer.Option(
         None,
         "--night",
         metavar="YYYY-MM-DD",
-        help="Record this run under that night (default: today). Re-running a night replaces its "
-        "results; an earlier date stands in for a previous night (tests, back-fills).",
+        help="Record this run under that night (default: today). Re-running a night measures again "
+        "in a study of its own and replaces its results; an earlier date stands in for a previous "
+        "night (tests, back-fills).",
     ),
     top_k: int = typer.Option(
         3, "--top-k", min=1, help="With --local: how many of the previous night's best configs run first."
@@ -83,16 +110,7 @@ def nightly(
         help="Stay running and start a pass every day at this local time (the compose `nightly` service).",
     ),
 ):
-    """Re-tune every recipe in a folder with a small budget, warm-started from the previous night's
-    best configs, and compare the new best tokens/s with the previous night's (same hardware and
-    software fingerprint when there is one; a changed fingerprint is reported and compared anyway).
-
-    With --local, last night's best config is tonight's first trial, in a study of its own per night,
-    so a slower machine or a slower torch shows up as a lower best. With --api each night is a job
-    of its own (`<recipe>@nightly-<date>`) warm-started by the service from its similar studies.
-    Writes a Markdown and a JSON report, and one history row per recipe per night (the dashboard's
-    history page).
-    """
+    """`tuner nightly` (its help is NIGHTLY_HELP)."""
     from tuner import nightly as nl
     from tuner.db import DatabaseError
 
@@ -102,6 +120,10 @@ def nightly(
         fail("--api needs --token (or $TUNER_API_TOKEN); create one with `tuner token create --name nightly`")
     if executor not in ("local", "ray"):
         fail(f"--executor {executor!r}: use local or ray")
+    if storage is not None:
+        from tuner.settings import absolute_database_url
+
+        storage = absolute_database_url(storage)  # once, here: a --daily-at pass runs for months
     try:
         threshold = nl.parse_threshold(fail_on_regression)
         tonight = nl.parse_night(night)

@@ -17,8 +17,11 @@ from tuner.nightly.history import (
     exit_code,
     find_previous,
     judge,
+    parse_run,
     record,
     run_recipe,
+    run_tag,
+    tonight_run,
     warm_start_configs,
 )
 from tuner.nightly.inputs import NightlyError, find_recipes, parse_night, parse_threshold, seconds_until
@@ -28,6 +31,7 @@ from tuner.nightly.tuners import (
     api_tuner,
     local_fingerprint_hash,
     local_tuner,
+    nightly_job_name,
     nightly_study_name,
 )
 
@@ -51,13 +55,17 @@ __all__ = [
     "judge",
     "local_fingerprint_hash",
     "local_tuner",
+    "nightly_job_name",
     "nightly_study_name",
     "parse_night",
+    "parse_run",
     "parse_threshold",
     "record",
     "render_markdown",
     "run_recipe",
+    "run_tag",
     "seconds_until",
+    "tonight_run",
     "warm_start_configs",
     "write_report",
 ]

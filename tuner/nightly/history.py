@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,8 @@ class Outcome:
     source: str
     night: dt.date
     verdict: str
+    # Which run of the night (`tonight_run`): 2 and up is a re-run, measured in a study of its own.
+    run: int = 1
     best_tokens_per_s: float | None = None
     config: dict[str, Any] | None = None
     previous_night: dt.date | None = None
@@ -101,6 +104,54 @@ def judge(new: float | None, previous: float | None, threshold: float) -> tuple[
     return UNCHANGED, change
 
 
+def run_tag(night: dt.date, run: int = 1) -> str:
+    """The one naming rule for a run of a night: `nightly-<night>` for the first, `nightly-<night>-run<N>`
+    for the N-th. The local tuner appends it to the study name, the REST tuner to the job name (which
+    the service's study name starts with), so every run of a night measures in a study of its own."""
+    if run < 1:
+        raise ValueError(f"run {run}: runs of a night count from 1")
+    tag = f"nightly-{night.isoformat()}"
+    return tag if run == 1 else f"{tag}-run{run}"
+
+
+def parse_run(study_name: str | None, night: dt.date) -> int | None:
+    """The run number `run_tag` put into `study_name` for `night`; None when it holds no such tag.
+    The tag ends a local study's name and sits before `-<hash>-<fingerprint>` in the service's."""
+    if not study_name:
+        return None
+    tag = re.escape(f"nightly-{night.isoformat()}")
+    found = list(re.finditer(rf"(?<![A-Za-z0-9]){tag}(?:-run(\d+))?(?![A-Za-z0-9.])", study_name))
+    if not found:
+        return None
+    return int(found[-1].group(1) or 1)  # the last: a recipe's own name may contain a tag too
+
+
+def tonight_run(recipe_name: str, night: dt.date, url: str | None) -> int:
+    """Which run of `night` this one is, from the night's recorded result.
+
+    No result recorded yet: run 1. That is also the re-run of a first run killed before it recorded,
+    and it must resume that run's study (the tool's promise: kill -9, run again, it continues). A
+    recorded result means its study finished: its trial budget is spent, so resuming it would
+    measure nothing and report the old best as tonight's. A re-run is a new measurement, the run
+    after the recorded one, in a fresh study; the earlier study stays, nothing stored is lost. A
+    re-run killed before recording is resumed the same way, since the row still names the run
+    before it.
+    """
+    from sqlalchemy import select
+
+    from tuner.db import NightlyResult, session_scope
+
+    with session_scope(url) as session:
+        row = session.scalar(
+            select(NightlyResult).where(
+                NightlyResult.recipe_name == recipe_name, NightlyResult.night == night
+            )
+        )
+        if row is None:
+            return 1
+        return (parse_run(row.study_name, night) or 1) + 1
+
+
 def find_previous(
     recipe_name: str, night: dt.date, fingerprint_hash: str, url: str | None
 ) -> Previous | None:
@@ -137,7 +188,7 @@ def record(outcome: Outcome, url: str | None) -> None:
 
     from tuner.db import NightlyResult, session_scope, utcnow
 
-    values = {
+    values: dict[str, Any] = {
         "fingerprint_hash": outcome.fingerprint_hash or "",
         "fingerprint": outcome.fingerprint,
         "best_tokens_per_s": outcome.best_tokens_per_s,
@@ -156,6 +207,11 @@ def record(outcome: Outcome, url: str | None) -> None:
         if row is None:
             session.add(NightlyResult(recipe_name=outcome.recipe, night=outcome.night, **values))
         else:
+            if outcome.study_name is None:
+                # This run failed before it opened a study, so it measured nothing: the night's
+                # trials are still in the study the row names, and `tonight_run` numbers the next
+                # re-run after it (forgetting it would let a later re-run reuse a finished study).
+                values["study_name"] = row.study_name
             for key, value in values.items():
                 setattr(row, key, value)
             row.created_at = utcnow()
@@ -207,8 +263,9 @@ def _dedupe(configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-# A tuner: (recipe, warm-start configs) -> what tonight measured. Local and REST versions exist.
-Tune = Callable[[Recipe, list[dict[str, Any]]], Tonight]
+# A tuner: (recipe, warm-start configs, run of the night) -> what tonight measured. Local and REST
+# versions exist; both name tonight's study or job with `run_tag(night, run)`.
+Tune = Callable[[Recipe, list[dict[str, Any]], int], Tonight]
 
 
 def run_recipe(
@@ -224,13 +281,17 @@ def run_recipe(
 ) -> Outcome:
     """Tune one recipe tonight, judge it and record it. A crash becomes a `failed` verdict.
 
+    A re-run of a night that already has a result is a new run (`tonight_run`) measured in a study
+    of its own, judged against the latest earlier night like the first run, and replaces the row.
+
     `expected_fingerprint_hash` picks the warm start when the history holds several fingerprints;
     the comparison uses the fingerprint tonight's trials actually ran on.
     """
     warm_from = find_previous(recipe.name, night, expected_fingerprint_hash or "", db_url)
     enqueue = warm_start_configs(warm_from, db_url, top_k)
+    run = tonight_run(recipe.name, night, db_url)
     try:
-        tonight = tune(recipe, enqueue)
+        tonight = tune(recipe, enqueue, run)
     except Exception as err:  # noqa: BLE001 - one recipe failing must not stop the others
         tonight = Tonight(
             None, None, {}, expected_fingerprint_hash or "", error=f"{type(err).__name__}: {err}"
@@ -244,6 +305,7 @@ def run_recipe(
         source=source,
         night=night,
         verdict=verdict,
+        run=run,
         best_tokens_per_s=tonight.best_tokens_per_s,
         config=tonight.config,
         change_pct=change,

@@ -47,8 +47,9 @@ def render_markdown(outcomes: list[Outcome], night: dt.date, threshold: float) -
     for o in outcomes:
         lines += ["", f"## {o.recipe}: {o.verdict.replace('_', ' ')}", ""]
         where = f"job {o.job_id}, " if o.job_id is not None else ""
+        rerun = f"re-run {o.run} of this night (it replaces the earlier result), " if o.run > 1 else ""
         lines.append(
-            f"Recipe `{o.source}`; {where}study `{o.study_name or '—'}`; {o.trials} trials, "
+            f"Recipe `{o.source}`; {rerun}{where}study `{o.study_name or '—'}`; {o.trials} trials, "
             f"{o.warm_started} of them warm-started from the previous best configs."
         )
         if o.error:

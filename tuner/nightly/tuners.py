@@ -7,7 +7,7 @@ import datetime as dt
 from collections.abc import Callable
 from typing import Any
 
-from tuner.nightly.history import Tonight, Tune
+from tuner.nightly.history import Tonight, Tune, run_tag
 from tuner.recipe import Recipe
 
 
@@ -18,12 +18,19 @@ def local_fingerprint_hash(recipe: Recipe) -> str:
     return fingerprint_hash(fingerprint(resolve_family(recipe.hardware.device)))
 
 
-def nightly_study_name(recipe: Recipe, fp: dict[str, Any], night: dt.date) -> str:
-    """Tonight's own study: sharing the recipe's main study would let last night's numbers win
-    again tonight and hide a regression; the warm start carries the knowledge over instead."""
+def nightly_study_name(recipe: Recipe, fp: dict[str, Any], night: dt.date, run: int = 1) -> str:
+    """Tonight's own study, `<study>-nightly-<night>[-run<N>]`: sharing the recipe's main study (or
+    an earlier run's) would let old numbers win again tonight and hide a regression; the warm start
+    carries the knowledge over instead."""
     from tuner.study import study_name
 
-    return f"{study_name(recipe, fp)}-nightly-{night.isoformat()}"
+    return f"{study_name(recipe, fp)}-{run_tag(night, run)}"
+
+
+def nightly_job_name(recipe: Recipe, night: dt.date, run: int = 1) -> str:
+    """The REST job's recipe name, `<recipe>@nightly-<night>[-run<N>]`. The service keys its study
+    by the recipe's name, so a re-run's distinct name is what gives it a fresh study there."""
+    return f"{recipe.name}@{run_tag(night, run)}"
 
 
 def local_tuner(
@@ -37,14 +44,14 @@ def local_tuner(
 ) -> Tune:
     """Tune on this machine (or its Ray cluster) with `tuner.study.run_study`."""
 
-    def tune(recipe: Recipe, enqueue: list[dict[str, Any]]) -> Tonight:
+    def tune(recipe: Recipe, enqueue: list[dict[str, Any]], run: int) -> Tonight:
         from tuner.devices import resolve_family
         from tuner.executors import make_executor
         from tuner.fingerprint import fingerprint, fingerprint_hash
         from tuner.study import run_study
 
         fp = fingerprint(resolve_family(recipe.hardware.device))
-        name = nightly_study_name(recipe, fp, night)
+        name = nightly_study_name(recipe, fp, night, run)
         queued = _enqueue_first(recipe, name, enqueue, storage_url)
         with make_executor(executor) as ex:
             summary = run_study(
@@ -143,19 +150,20 @@ def api_tuner(
 ) -> Tune:
     """Tune through the REST service: submit the recipe with tonight's budget, follow the job.
 
-    The job is named `<recipe>@nightly-<night>`, and the service keys its study by that name, so
-    tonight's best is measured tonight (a study shared across nights would keep answering with an
-    old measurement). The job API takes a recipe and nothing else, so tonight's warm start is the
-    service's own: the best configs of the most similar earlier study on the same fingerprint.
+    The job is named `nightly_job_name(...)`, `<recipe>@nightly-<night>` and `...-run<N>` for a
+    re-run, and the service keys its study by that name, so each run's best is measured by that run
+    (a study shared across nights or runs would keep answering with an old measurement). The job
+    API takes a recipe and nothing else, so tonight's warm start is the service's own: the best
+    configs of the most similar earlier study on the same fingerprint.
     """
 
-    def tune(recipe: Recipe, enqueue: list[dict[str, Any]]) -> Tonight:
+    def tune(recipe: Recipe, enqueue: list[dict[str, Any]], run: int) -> Tonight:
         import time
 
         import httpx
 
         doc = recipe.to_dict()
-        doc["name"] = f"{recipe.name}@nightly-{night.isoformat()}"
+        doc["name"] = nightly_job_name(recipe, night, run)
         doc["search"]["trials"] = trials
         headers = {"Authorization": f"Bearer {token}"}
         with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=30) as client:
