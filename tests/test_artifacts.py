@@ -142,3 +142,19 @@ def test_safe_extract_round_trip(tmp_path):
     path, _, _ = store.put("s", 1, _build_dir(tmp_path))
     out = safe_extract(path, tmp_path / "out")
     assert (out / "kernels" / "rank0" / "cpp_fused_add_0.cpp").read_text().startswith('extern "C"')
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt-tiny", "my model @ v2/x", "gpt@nightly-2026-11-28-run2", "...", "é" * 200]
+)
+def test_every_recipe_name_gives_a_study_name_that_can_name_a_build(name):
+    """A recipe's name is free text (a nightly job is `<recipe>@nightly-<night>`); the study, and so
+    its build directory, must still be nameable."""
+    from tuner.artifacts import check_study_name
+    from tuner.recipe import recipe_from_dict
+    from tuner.study import study_name
+
+    recipe = recipe_from_dict(
+        {"name": name, "model": {"layers": 1, "hidden": 8, "heads": 1, "seq_len": 2, "vocab": 2}}
+    )
+    assert check_study_name(study_name(recipe, {"family": "cpu"}))

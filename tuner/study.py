@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import re
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -56,8 +57,12 @@ Progress = Callable[[dict[str, Any]], None]
 
 def study_name(recipe: Recipe, fp: dict[str, Any]) -> str:
     """`<recipe name>-<recipe hash>-<fingerprint hash>`; a Pareto study gets `-pareto` too,
-    since it has two objectives and cannot share trials with a throughput-only study."""
-    name = f"{recipe.name}-{recipe.hash()}-{fingerprint_hash(fp)}"
+    since it has two objectives and cannot share trials with a throughput-only study.
+
+    The recipe's name is free text; in the study name it is reduced to letters, digits, '.', '_'
+    and '-' (at most 100), since a study name also names its build directory."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", recipe.name).strip("-.")[:100].rstrip("-.") or "recipe"
+    name = f"{slug}-{recipe.hash()}-{fingerprint_hash(fp)}"
     return name + "-pareto" if recipe.search.objective == "throughput_memory" else name
 
 
