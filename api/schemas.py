@@ -8,11 +8,10 @@ from typing import Annotated, Any, Literal
 from fastapi import Path
 from pydantic import BaseModel, Field
 
-from tuner.db import Job
+from tuner.db import Job, JobState
 
 # Job ids are database integers (PostgreSQL INTEGER); a larger number is a 422, not a driver error.
 JobId = Annotated[int, Path(ge=1, le=2_147_483_647, description="The job's id.")]
-JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
 
 class FieldError(BaseModel):
@@ -94,7 +93,10 @@ class JobPage(BaseModel):
 class TrialPublic(BaseModel):
     number: int
     state: str = Field(description="Optuna state: running, complete, pruned, fail, waiting.")
-    status: str | None = Field(description="Measured status: ok, oom, error, timeout, pruned.")
+    status: str | None = Field(
+        description="The trial's status word: ok, oom, error, timeout (measured), pruned, duplicate, "
+        "failed (stopped without a measurement), running, waiting."
+    )
     tokens_per_s: float | None
     config: dict[str, Any]
     result: dict[str, Any]

@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from api.auth import create_token
-    from api.dashboard.seed import seed_job
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the seeder lives with the tests
+    from seed import seed_job
+
     from tuner.db import session_scope
     from tuner.migrations import prepare_database
 

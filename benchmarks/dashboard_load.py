@@ -29,8 +29,10 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # the seeder of synthetic studies lives with the tests
 
-from api.dashboard.seed import seed_job  # noqa: E402
+from seed import seed_job  # noqa: E402
+
 from tuner.migrations import upgrade  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
@@ -160,7 +162,9 @@ def _reads(url: str, job_id: int) -> dict[str, float]:
     """Seconds to read the study into rows, in this process: from Optuna's tables alone, and from
     the snapshot the worker wrote when the job ended (what a freshly started server does)."""
     from tuner.db import Job, session_scope
-    from tuner.study_rows import load_snapshot, read_rows, study_id
+    from tuner.record.reader import read_trials as read_rows
+    from tuner.record.reader import study_id
+    from tuner.record.snapshot import load as load_snapshot
 
     out = {}
     with session_scope(url) as s:

@@ -22,10 +22,10 @@ from schemathesis.checks import (
     status_code_conformance,
     unsupported_method,
 )
+from seed import seed_job
 
 from api import Settings, create_app
 from api.auth import create_token
-from api.dashboard.seed import seed_job
 from tuner.db import session_scope
 from tuner.migrations import upgrade
 

@@ -151,7 +151,9 @@ def _check_best(server: Server, auth: dict, job_id: int) -> None:
 def _check_snapshot(server: Server, job_id: int) -> None:
     """The worker snapshotted the finished study: the dashboard's next cold read is one row."""
     from tuner.db import Job, session_scope
-    from tuner.study_rows import load_snapshot, read_rows, study_id
+    from tuner.record.reader import read_trials as read_rows
+    from tuner.record.reader import study_id
+    from tuner.record.snapshot import load as load_snapshot
 
     with session_scope(server.db_url) as s:
         name = s.get(Job, job_id).study_name

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from seed import seed_job, seed_study
 
 from api.auth import create_token
-from api.dashboard.seed import seed_job, seed_study
-from api.dashboard.store import load_study_rows
-from api.dashboard.table import best as best_trial
 from tuner.db import Build, Job, NightlyResult, add_event, session_scope, utcnow
 from tuner.migrations import upgrade
+from tuner.record.reader import read_study
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +70,7 @@ def service(tmp_path_factory):
         # the real worker's dead-worker recovery leaves it alone.
         seeded = s.get(Job, live)
         seeded.worker_id, seeded.updated_at = "elsewhere:1:seeded", utcnow() + dt.timedelta(days=1)
-        fastest = best_trial(load_study_rows(s, s.get(Job, large).study_name)).number
+        fastest = read_study(s, s.get(Job, large).study_name).ranking().best.trial
         s.add(Build(job_id=large, study_name=s.get(Job, large).study_name, trial_number=fastest, path=str(archive),
                     sha256=hashlib.sha256(archive.read_bytes()).hexdigest(), size_bytes=archive.stat().st_size))  # fmt: skip
         fp = {"family": "cuda", "device": "NVIDIA H100", "torch": "2.8.0", "driver": "550.54"}

@@ -19,24 +19,19 @@ import httpx
 import optuna
 import pytest
 from fastapi.testclient import TestClient
+from seed import seed_job
 from sqlalchemy import create_engine, text
 
 from api import Settings, create_app
 from api.auth import create_token
 from api.dashboard.plots import SAMPLE_LIMIT, pareto_front
-from api.dashboard.seed import seed_job
-from api.dashboard.store import load_study_rows, with_all_attrs
 from tuner.db import Build, Job, NightlyResult, StudySnapshot, session_scope
 from tuner.migrations import upgrade
-from tuner.study_rows import (
-    ROW_ATTRS,
-    Finished,
-    importances,
-    load_snapshot,
-    read_rows,
-    snapshot_study,
-    study_id,
-)
+from tuner.record.importance import importances
+from tuner.record.reader import ROW_ATTRS, Finished, read_study, study_id, with_all_attrs
+from tuner.record.reader import read_trials as read_rows
+from tuner.record.snapshot import load as load_snapshot
+from tuner.record.snapshot import snapshot_study
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "api" / "dashboard"
 PG_URL = os.environ.get("TUNER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -101,7 +96,7 @@ def _get(client, db, path, **params):
 
 def _rows(db, key):
     with session_scope(db["url"]) as s:
-        return load_study_rows(s, s.get(Job, db[key]).study_name).rows
+        return read_study(s, s.get(Job, db[key]).study_name).trials
 
 
 def test_reader_agrees_with_optuna(db):
@@ -130,7 +125,7 @@ def test_reader_and_table_on_every_storage(storage_url):
     job_id = seed_job(storage_url, 120, running=1, state="running", seed=5)
     with session_scope(storage_url) as s:
         name = s.get(Job, job_id).study_name
-        rows = load_study_rows(s, name).rows
+        rows = read_study(s, name).trials
         token = create_token(s, "pg")
     trials = optuna.load_study(study_name=name, storage=storage_url).get_trials(deepcopy=False)
     assert [(r.number, r.params, r.attrs) for r in rows] == [
@@ -203,9 +198,9 @@ def test_an_unreadable_snapshot_is_ignored_and_the_page_still_loads(tmp_path):
 
 def test_importance_is_kept_while_the_study_grows_by_at_most_two_percent(db):
     with session_scope(db["url"]) as s:
-        study = load_study_rows(s, s.get(Job, db["large"]).study_name)
+        study = read_study(s, s.get(Job, db["large"]).study_name)
     dists = study.finished.distributions()
-    done = [r for r in study.rows if r.state == "complete"]
+    done = [r for r in study.trials if r.state == "complete"]
     finished = Finished()
     first = importances(done[:-10], finished, dists)
     assert first and finished.importance[0] == len(done) - 10
@@ -419,7 +414,7 @@ def test_optuna_dashboard_lists_our_studies(db):
 
 def test_downsampling_caps_failures_but_keeps_every_improvement():
     from api.dashboard.plots import SAMPLE_LIMIT, downsample
-    from api.dashboard.store import TrialRow
+    from tuner.record.trial import TrialRecord as TrialRow
 
     def row(n: int) -> TrialRow:
         failed = n % 2 == 1  # half the study failed: more than the plot's quarter for failures
@@ -517,18 +512,18 @@ def test_a_trial_with_nan_loss_and_infinite_throughput_does_not_break_the_pages(
 def test_the_server_keeps_a_bounded_number_of_studies_in_memory(db, monkeypatch):
     from collections import OrderedDict
 
-    from api.dashboard import store
+    from tuner.record import reader as store
 
     monkeypatch.setattr(store, "CACHED_STUDIES", 2)
     monkeypatch.setattr(store, "_cache", OrderedDict())
     with session_scope(db["url"]) as s:
         names = [s.get(Job, db[k]).study_name for k in ("small", "large", "other")]
         for name in names:
-            assert load_study_rows(s, name) is not None
+            assert read_study(s, name) is not None
         held = {name for _, name in store._cache}
         assert names[0] not in held and set(names[1:]) <= held
         # The least recently read goes first: reading `large` again keeps it over `other`.
-        load_study_rows(s, names[1])
-        load_study_rows(s, names[0])
+        read_study(s, names[1])
+        read_study(s, names[0])
         held = {name for _, name in store._cache}
     assert names[2] not in held and {names[0], names[1]} <= held

@@ -183,10 +183,11 @@ def test_local_rerun_measures_again_in_a_fresh_study(db_url, monkeypatch):
     """The reported fault: run_study's budget counts the whole study (that is how a killed run
     resumes), so a re-run in the first run's study ran 0 trials and reported the first run's best."""
     import contextlib
-    import types
 
     import tuner.executors
     import tuner.study
+    from tuner.record.ranking import Ranked
+    from tuner.summary import StudySummary
 
     studies: dict[str, list[float]] = {}
     machine = {"tokens_per_s": 1000.0}
@@ -194,8 +195,8 @@ def test_local_rerun_measures_again_in_a_fresh_study(db_url, monkeypatch):
     def run_study(recipe, *, trials, study_name, **kwargs):
         done = studies.setdefault(study_name, [])
         done += [machine["tokens_per_s"]] * (trials - len(done))
-        best = {"tokens_per_s": max(done), "config": {"micro_batch_size": 4, "dp": 1}}
-        return types.SimpleNamespace(best=best, study_name=study_name, counts={"ok": len(done)})
+        best = Ranked(0, {"micro_batch_size": 4, "dp": 1}, max(done), [], 0.0, {}, None, True)
+        return StudySummary(study_name, db_url, best=best, counts={"ok": len(done)})
 
     monkeypatch.setattr(tuner.study, "run_study", run_study)
     monkeypatch.setattr(tuner.executors, "make_executor", lambda name: contextlib.nullcontext())

@@ -8,7 +8,7 @@ import datetime as dt
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, get_args
 
 from sqlalchemy import (
     JSON,
@@ -31,7 +31,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 # One default database and one rule for resolving it: tuner.settings (re-exported for callers here).
 from tuner.settings import DEFAULT_DATABASE_URL, absolute_database_url, database_url  # noqa: F401
 
-JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+JOB_STATES: tuple[str, ...] = get_args(JobState)
 FINAL_STATES = ("succeeded", "failed", "cancelled")
 
 
@@ -127,7 +128,7 @@ class NightlyResult(Base):
 
 
 class StudySnapshot(Base):
-    """A study's finished trials as compact rows (zlib-compressed JSON, `tuner.study_rows`), so a
+    """A study's finished trials as compact rows (zlib-compressed JSON, `tuner.record.snapshot`), so a
     reader skips the ~25 Optuna parameter and attribute rows per trial it would otherwise read."""
 
     __tablename__ = "study_snapshots"

@@ -10,26 +10,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tuner.record import keys
+from tuner.record.status import Status
+
 # Where a profiled step's time goes (`TrialResult.breakdown`), in the dashboard's stacking order.
 BREAKDOWN_CATEGORIES = ("compute", "attention", "communication", "optimizer", "idle")
 
-# The public result keys, in display order (DESIGN.md).
-RESULT_KEYS = (
-    "status",
-    "step_time_s",
-    "step_time_spread",
-    "tokens_per_s",
-    "samples_per_s",
-    "tflops",
-    "mfu",
-    "peak_mem_allocated_bytes",
-    "peak_mem_reserved_bytes",
-    "estimated_peak_mem_bytes",
-    "loss",
-    "error",
-)
-
-STATUSES = ("ok", "oom", "error", "timeout", "pruned")
+# The public result keys, in display order (DESIGN.md), are defined with every stored key name.
+RESULT_KEYS = keys.RESULT_KEYS
 
 
 @dataclass
@@ -57,7 +45,7 @@ class TrialSpec:
 
 @dataclass
 class TrialResult:
-    status: str
+    status: Status  # a measured status word (tuner.record.status.MEASURED) when it ran
     step_time_s: float | None = None
     step_time_spread: float | None = None
     tokens_per_s: float | None = None

@@ -1,5 +1,5 @@
 """Picking up what earlier drivers left: failing the trials of a dead driver so their configs run
-again, and warm-starting a new study from the most similar earlier one."""
+again, and the configs of the most similar earlier study, which a new study starts with."""
 
 from __future__ import annotations
 
@@ -17,11 +17,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tuner.config import Config
 from tuner.recipe import Recipe
-from tuner.summary import build_summary
+from tuner.record import keys
 
-# Optuna's own heartbeat needs `study.optimize`; with ask/tell the driver records liveness itself.
-HEARTBEAT_KEY = "tuner:heartbeat"
-OWNER_KEY = "tuner:owner"
 STALE_AFTER_S = 60.0
 
 
@@ -63,18 +60,18 @@ def recover_dead_trials(study: optuna.Study, trials: list[FrozenTrial], me: dict
     for t in trials:
         if t.state != TrialState.RUNNING:
             continue
-        owner = t.system_attrs.get(OWNER_KEY)
+        owner = t.system_attrs.get(keys.OWNER)
         if owner and owner.get("id") == me["id"]:
             continue
         started = t.datetime_start.timestamp() if t.datetime_start else time.time()
-        if owner_alive(owner, t.system_attrs.get(HEARTBEAT_KEY), started):
+        if owner_alive(owner, t.system_attrs.get(keys.HEARTBEAT), started):
             continue
         # The owner may finish the trial at this very moment; then it is not ours to fail.
         with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
-            storage.set_trial_user_attr(t._trial_id, "driver_died", True)
+            storage.set_trial_user_attr(t._trial_id, keys.DRIVER_DIED, True)
             if storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
-                role = t.user_attrs.get("role") or "retry"
-                study.enqueue_trial(t.params, user_attrs={"role": role, "retry_of": t.number})
+                role = t.user_attrs.get(keys.ROLE) or keys.RETRY
+                study.enqueue_trial(t.params, user_attrs={keys.ROLE: role, keys.RETRY_OF: t.number})
                 failed += 1
     return failed
 
@@ -85,15 +82,22 @@ def _shape_distance(shape: dict[str, Any], recipe: Recipe) -> float:
     return sum(abs(math.log(shape[k] / getattr(mine, k))) for k in keys)
 
 
-def warm_start_configs(
-    storage: Any, url: str, recipe: Recipe, fingerprint_hash: str, exclude: str, top: int = 3
+def similar_study_configs(
+    url: str, recipe: Recipe, fingerprint_hash: str, exclude: str, top: int = 3
 ) -> list[Config]:
-    """The trustworthy top configs of the earlier study on this fingerprint, with the same
-    device count, whose model shape is nearest (log-ratio distance over the model sizes)."""
+    """The ranked top configs of the earlier study on this fingerprint, with the same device
+    count, whose model shape is nearest (log-ratio distance over the model sizes): what a new
+    study runs right after its baseline."""
+    from tuner.db import session_scope
+    from tuner.record.reader import study_attrs_of_all
+    from tuner.summary import summarize
+
     best_name, best_distance = None, math.inf
-    for s in optuna.get_all_study_summaries(storage, include_best_trial=False):
-        other = s.user_attrs.get("recipe") or {}
-        if s.study_name == exclude or s.user_attrs.get("fingerprint_hash") != fingerprint_hash:
+    with session_scope(url) as session:
+        studies = study_attrs_of_all(session, (keys.RECIPE, keys.FINGERPRINT_HASH))
+    for name, attrs in studies.items():
+        other = attrs.get(keys.RECIPE) or {}
+        if name == exclude or attrs.get(keys.FINGERPRINT_HASH) != fingerprint_hash:
             continue
         if other.get("hardware", {}).get("devices") != recipe.hardware.devices:
             continue
@@ -102,8 +106,7 @@ def warm_start_configs(
         except (KeyError, TypeError, ZeroDivisionError, ValueError):
             continue  # a study written by another version: not comparable
         if distance < best_distance:
-            best_name, best_distance = s.study_name, distance
+            best_name, best_distance = name, distance
     if best_name is None:
         return []
-    old = optuna.load_study(study_name=best_name, storage=storage)
-    return [Config.from_params(e["config"]) for e in build_summary(old, url, top_k=top).top_k]
+    return [Config.from_params(e.config) for e in summarize(best_name, url, top_k=top).top_k]

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.dashboard.store import StudyRows, TrialRow
-from tuner.study_rows import importances as knob_importances
+from tuner.record import keys
+from tuner.record.importance import importances as knob_importances
+from tuner.record.reader import StudyRecord
+from tuner.record.trial import TrialRecord
 
 SAMPLE_LIMIT = 500  # points per plot: 0.3 s to draw the four plots in Chromium here (1,000: 0.55 s)
 PARALLEL_LIMIT = 300  # lines in parallel coordinates: more is unreadable
 PARALLEL_PARAMS = 6  # the most important knobs get an axis each
 
 
-def _evenly(items: list[TrialRow], k: int) -> list[TrialRow]:
+def _evenly(items: list[TrialRecord], k: int) -> list[TrialRecord]:
     if k <= 0:
         return []
     if len(items) <= k:
@@ -27,21 +29,21 @@ def _evenly(items: list[TrialRow], k: int) -> list[TrialRow]:
     return [items[int(i * step)] for i in range(k)]
 
 
-def _tput(r: TrialRow) -> float | None:
-    return r.tokens_per_s if r.state == "complete" else None
+def _tput(r: TrialRecord) -> float | None:
+    return r.tokens_per_s if r.completed else None
 
 
-def _mem(r: TrialRow) -> float | None:
-    value = r.attrs.get("peak_mem_allocated_bytes")
+def _mem(r: TrialRecord) -> float | None:
+    value = r.attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES)
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def _est(r: TrialRow) -> float | None:
-    value = r.attrs.get("estimated_peak_mem_bytes")
+def _est(r: TrialRecord) -> float | None:
+    value = r.attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES)
     return float(value) if isinstance(value, (int, float)) else None
 
 
-def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
+def pareto_front(rows: list[TrialRecord]) -> list[TrialRecord]:
     """Completed trials no other trial beats on both tokens/s (higher) and peak memory (lower),
     by decreasing tokens/s."""
     # Each value computed once: this runs over every trial of the study.
@@ -55,10 +57,10 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
     return front
 
 
-def downsample(rows: list[TrialRow], limit: int = SAMPLE_LIMIT) -> list[TrialRow]:
+def downsample(rows: list[TrialRecord], limit: int = SAMPLE_LIMIT) -> list[TrialRecord]:
     """At most `limit` finished trials, in number order: every best-so-far improvement and every
     Pareto-optimal trial, failures (up to a quarter of the points), the rest evenly spaced."""
-    finished = [r for r in rows if r.state not in ("running", "waiting")]
+    finished = [r for r in rows if r.finished]
     if len(finished) <= limit:
         return finished
     keep: set[int] = set()
@@ -77,7 +79,7 @@ def downsample(rows: list[TrialRow], limit: int = SAMPLE_LIMIT) -> list[TrialRow
     return [r for r in finished if r.number in keep]
 
 
-def history(sample: list[TrialRow]) -> dict[str, Any]:
+def history(sample: list[TrialRecord]) -> dict[str, Any]:
     done = [r for r in sample if _tput(r) is not None]
     best, bests = None, []
     for r in done:
@@ -91,17 +93,17 @@ def history(sample: list[TrialRow]) -> dict[str, Any]:
         "failed": {
             "number": [r.number for r in failed],
             "status": [r.status for r in failed],
-            "error": [str(r.attrs.get("error") or "")[:200] for r in failed],
+            "error": [str(r.attrs.get(keys.ERROR) or "")[:200] for r in failed],
         },
     }
 
 
-def importances(study: StudyRows) -> dict[str, float]:
+def importances(study: StudyRecord) -> dict[str, float]:
     """Knob importance for tokens/s, most important first (kept across versions of the study)."""
-    return knob_importances(study.rows, study.finished, study.distributions)
+    return knob_importances(study.trials, study.finished, study.distributions)
 
 
-def parallel(sample: list[TrialRow], knobs: list[str]) -> dict[str, Any]:
+def parallel(sample: list[TrialRecord], knobs: list[str]) -> dict[str, Any]:
     done = [r for r in sample if _tput(r) is not None]
     top = sorted(done, key=lambda r: -_tput(r))[: PARALLEL_LIMIT // 5]
     chosen = sorted(
@@ -131,7 +133,7 @@ def _sort_key(label: str) -> tuple[int, float | str]:
         return (1, label)
 
 
-def pareto(sample: list[TrialRow]) -> dict[str, Any]:
+def pareto(sample: list[TrialRecord]) -> dict[str, Any]:
     points = [r for r in sample if _tput(r) is not None and _mem(r) is not None]
     front = pareto_front(points)
     return {
@@ -140,7 +142,7 @@ def pareto(sample: list[TrialRow]) -> dict[str, Any]:
     }
 
 
-def _points(rows: list[TrialRow]) -> dict[str, list[Any]]:
+def _points(rows: list[TrialRecord]) -> dict[str, list[Any]]:
     return {
         "number": [r.number for r in rows],
         "tokens_per_s": [_tput(r) for r in rows],
@@ -148,7 +150,7 @@ def _points(rows: list[TrialRow]) -> dict[str, list[Any]]:
     }
 
 
-def memory(sample: list[TrialRow]) -> dict[str, list[Any]]:
+def memory(sample: list[TrialRecord]) -> dict[str, list[Any]]:
     pts = [r for r in sample if _mem(r) is not None and _est(r) is not None]
     return {
         "number": [r.number for r in pts],
@@ -158,24 +160,22 @@ def memory(sample: list[TrialRow]) -> dict[str, list[Any]]:
     }
 
 
-def _varying(study: StudyRows) -> list[str]:
+def _varying(study: StudyRecord) -> list[str]:
     seen: dict[str, set[str]] = {}
-    for r in study.rows:
+    for r in study.trials:
         for k, v in r.params.items():
             seen.setdefault(k, set()).add(_label(v))
     return [k for k, values in sorted(seen.items()) if len(values) > 1]
 
 
-def plot_data(study: StudyRows) -> dict[str, Any]:
+def plot_data(study: StudyRecord) -> dict[str, Any]:
     """Every plot of the job page, computed once per study version."""
-    with study.lock:
-        cached = study.derived.get("plots")
-        if cached is not None:
-            return cached
-        sample = downsample(study.rows)
+
+    def compute() -> dict[str, Any]:
+        sample = downsample(study.trials)
         ranked = importances(study)
-        out = {
-            "total": sum(r.state not in ("running", "waiting") for r in study.rows),
+        return {
+            "total": sum(r.finished for r in study.trials),
             "sampled": len(sample),
             "history": history(sample),
             "importance": {"params": list(ranked), "values": list(ranked.values())},
@@ -184,5 +184,5 @@ def plot_data(study: StudyRows) -> dict[str, Any]:
             "pareto": pareto(sample),
             "memory": memory(sample),
         }
-        study.derived["plots"] = out
-        return out
+
+    return study.cached("plots", compute)

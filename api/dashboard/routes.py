@@ -13,12 +13,13 @@ from fastapi.responses import FileResponse, RedirectResponse
 from sqlalchemy import select
 
 from api.dashboard import nightly, plots, table
-from api.dashboard.store import StudyRows, load_study_rows, with_all_attrs
 from api.deps import ReadAuth, SessionDep
 from api.errors import ApiError
 from api.responses import FiniteJSONResponse
 from api.schemas import JobId, JobPublic
+from api.trials import winner
 from tuner.db import Build, Job
+from tuner.record.reader import StudyRecord, read_study, with_all_attrs
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -88,25 +89,19 @@ def _job(session, job_id: int) -> Job:
     return job
 
 
-def _study(session, job: Job) -> StudyRows | None:
-    return load_study_rows(session, job.study_name) if job.study_name else None
+def _study(session, job: Job) -> StudyRecord | None:
+    return read_study(session, job.study_name) if job.study_name else None
 
 
 @data.get("/jobs/{job_id}/overview")
 def read_overview(job_id: JobId, session: SessionDep, _: ReadAuth):
     """The job, its best trial with speedup and step-time breakdown, the build, recent failures."""
     job = _job(session, job_id)
-    study = _study(session, job)
+    verdict, study = winner(session, job, with_study=True)
     build = session.scalar(select(Build).where(Build.job_id == job_id).order_by(Build.id.desc()).limit(1))
-    # Once built, the winner is the trial the worker built (it re-measures the top configs and
-    # checks their loss); until then, the fastest measured trial.
-    best = table.best(study, prefer=build.trial_number if build else None) if study else None
-    # Speedup over the default config: the worker's figure when it recorded one (it re-measures
-    # the winner), else the best measured trial over the baseline trial.
-    speedup = job.speedup
-    if speedup is None and best is not None:
-        baseline = job.baseline_tokens_per_s or (table.baseline(study) if study else None)
-        speedup = best.tokens_per_s / baseline if baseline else None
+    best = study.find(verdict.best.trial) if study is not None and verdict.best is not None else None
+    # The worker's figure when the winner's study holds no baseline trial (it recorded one).
+    speedup = verdict.speedup if verdict.speedup is not None else job.speedup
     failed, latest = table.failures(study) if study else (0, [])
     # With their logs: the best card and the failure list show trials whole.
     whole = with_all_attrs(session, ([best] if best else []) + latest)
@@ -115,7 +110,7 @@ def read_overview(job_id: JobId, session: SessionDep, _: ReadAuth):
     return FiniteJSONResponse(
         {
             "job": JobPublic.from_row(job).model_dump(mode="json"),
-            "best": best.detail() if best else None,
+            "best": _best_card(best, verdict) if best else None,
             "speedup": speedup,
             "build": {
                 "ready": build is not None and Path(build.path).is_file(),
@@ -126,6 +121,20 @@ def read_overview(job_id: JobId, session: SessionDep, _: ReadAuth):
             "failures": {"total": failed, "items": [r.detail() for r in latest]},
         }
     )
+
+
+def _best_card(best, verdict) -> dict:
+    """The winner's trial whole, with the figure every view shows: its median tokens/s over every
+    measurement (`tokens_per_s`), next to its first measurement and the noise."""
+    card = best.detail()
+    card.update(
+        measured_tokens_per_s=card["tokens_per_s"],
+        tokens_per_s=verdict.best.tokens_per_s,
+        remeasured_tokens_per_s=verdict.best.remeasured_tokens_per_s,
+        noise=verdict.best.noise,
+        winner_source=verdict.source,
+    )
+    return card
 
 
 @data.get("/jobs/{job_id}/trials")
@@ -144,7 +153,7 @@ def read_trials_table(
     """One page of the trials table, sorted and filtered on the server."""
     job = _job(session, job_id)
     # A queued job has no study yet: an empty one shows the same (empty) table.
-    study = _study(session, job) or StudyRows(study_name="", version=(), rows=[])
+    study = _study(session, job) or StudyRecord(study_name="", version=(), trials=[])
     filters = table.parse_knob_filters(list(knob), study)
     return FiniteJSONResponse(
         table.page(study, page=page, size=size, sort=sort, statuses=list(status), knobs=filters)

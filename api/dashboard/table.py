@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.dashboard.store import CATEGORIES, StudyRows, TrialRow
 from api.errors import ApiError
+from tuner.record import keys
+from tuner.record.reader import StudyRecord
+from tuner.record.trial import TrialRecord
+from tuner.result import BREAKDOWN_CATEGORIES as CATEGORIES
 
 COLUMNS = (
     "number",
@@ -31,7 +34,7 @@ METRICS = (
 MAX_PAGE_SIZE = 200
 
 
-def parse_knob_filters(raw: list[str], study: StudyRows) -> dict[str, str]:
+def parse_knob_filters(raw: list[str], study: StudyRecord) -> dict[str, str]:
     """`knob=name:value` query values into {name: value}; an unknown knob is a 422 naming it."""
     out: dict[str, str] = {}
     for item in raw:
@@ -64,14 +67,14 @@ ORDERS_KEPT = 32  # sorted and filtered orders kept per study version: paging on
 
 
 def _ordered(
-    study: StudyRows, column: str, desc: bool, statuses: list[str], knobs: dict[str, str]
-) -> list[TrialRow]:
+    study: StudyRecord, column: str, desc: bool, statuses: list[str], knobs: dict[str, str]
+) -> list[TrialRecord]:
     orders = study.derived.setdefault("orders", {})
     key = (column, desc, tuple(sorted(statuses)), tuple(sorted(knobs.items())))
     cached = orders.get(key)
     if cached is not None:
         return cached
-    rows = study.rows
+    rows = study.trials
     if statuses:
         rows = [r for r in rows if r.status in statuses]
     for name, want in knobs.items():
@@ -85,18 +88,18 @@ def _ordered(
     return ordered
 
 
-def _counts(study: StudyRows) -> dict[str, int]:
+def _counts(study: StudyRecord) -> dict[str, int]:
     counts = study.derived.get("status_counts")
     if counts is None:
         counts = {}
-        for r in study.rows:
+        for r in study.trials:
             counts[r.status] = counts.get(r.status, 0) + 1
         study.derived["status_counts"] = counts
     return counts
 
 
 def page(
-    study: StudyRows,
+    study: StudyRecord,
     *,
     page: int,
     size: int,
@@ -118,7 +121,7 @@ def page(
     start = (page - 1) * size
     return {
         "total": total,
-        "total_all": len(study.rows),
+        "total_all": len(study.trials),
         "page": page,
         "size": size,
         "pages": pages,
@@ -132,35 +135,18 @@ def page(
     }
 
 
-def _value(r: TrialRow, column: str) -> Any:
+def _value(r: TrialRecord, column: str) -> Any:
     return r.metric(column) if column in COLUMNS else r.params.get(column)
 
 
-def failures(study: StudyRows, limit: int = 50) -> tuple[int, list[TrialRow]]:
+def failures(study: StudyRecord, limit: int = 50) -> tuple[int, list[TrialRecord]]:
     """How many trials failed, and the latest `limit` of them, newest first."""
-    failed = [r for r in study.rows if r.failed]
+    failed = [r for r in study.trials if r.failed]
     return len(failed), list(reversed(failed[-limit:]))
 
 
-def best(study: StudyRows, prefer: int | None = None) -> TrialRow | None:
-    """Trial `prefer` when it completed, else the completed trial with the highest tokens/s."""
-    done = [r for r in study.rows if r.state == "complete" and r.tokens_per_s is not None]
-    chosen = [r for r in done if r.number == prefer]
-    if chosen:
-        return chosen[0]
-    return max(done, key=lambda r: r.tokens_per_s) if done else None
-
-
-def baseline(study: StudyRows) -> float | None:
-    """Tokens/s of the default config's trial (the study marks it with role=baseline)."""
-    for r in study.rows:
-        if r.attrs.get("role") == "baseline" and r.tokens_per_s is not None:
-            return r.tokens_per_s
-    return None
-
-
-def find(study: StudyRows, number: int) -> TrialRow:
-    for r in study.rows:
+def find(study: StudyRecord, number: int) -> TrialRecord:
+    for r in study.trials:
         if r.number == number:
             return r
     raise ApiError(
@@ -168,7 +154,7 @@ def find(study: StudyRows, number: int) -> TrialRow:
     )
 
 
-def compare(a: TrialRow, b: TrialRow) -> dict[str, Any]:
+def compare(a: TrialRecord, b: TrialRecord) -> dict[str, Any]:
     """Which knobs differ between two trials, what each metric did (b relative to a), and the
     step-time breakdown category by category."""
     names = sorted(set(a.params) | set(b.params))
@@ -183,7 +169,7 @@ def compare(a: TrialRow, b: TrialRow) -> dict[str, Any]:
         if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va:
             change = (vb - va) / abs(va)
         metrics.append({"name": m, "a": va, "b": vb, "change": change})
-    ba, bb = a.attrs.get("breakdown") or {}, b.attrs.get("breakdown") or {}
+    ba, bb = a.attrs.get(keys.BREAKDOWN) or {}, b.attrs.get(keys.BREAKDOWN) or {}
     categories = [c for c in CATEGORIES if c in ba or c in bb] + sorted((set(ba) | set(bb)) - set(CATEGORIES))
     breakdown = [{"category": c, "a": ba.get(c), "b": bb.get(c)} for c in categories]
     return {"knobs": knobs, "metrics": metrics, "breakdown": breakdown}

@@ -214,11 +214,12 @@ def read_trials(
     status: Annotated[
         str | None,
         Query(
-            pattern="^(ok|oom|error|timeout|pruned|running|complete|fail|waiting)$",
-            description="Measured status (ok, oom, error, timeout, pruned) or Optuna state.",
+            pattern=f"^({'|'.join(trial_store.STATUS_FILTERS)})$",
+            description="A status word (ok, oom, error, timeout, pruned, duplicate, failed, running, "
+            "waiting) or an Optuna state (complete, fail).",
         ),
     ] = None,
-    sort: Annotated[str, Query(pattern="^-?(number|tokens_per_s)$")] = "number",
+    sort: Annotated[str, Query(pattern=f"^({'|'.join(trial_store.SORTS)})$")] = "number",
 ):
     """A study's trials, paginated on the server."""
     job = _get_job(session, job_id)
@@ -237,29 +238,28 @@ def read_trials(
     response_model=BestPublic,
     responses={404: {"description": "No job has this id, or it has no completed trial yet."}},
 )
-def read_best(job_id: JobId, session: SessionDep, settings: SettingsDep, _: ReadAuth):
-    """The winner so far: fastest completed config (re-measured, loss checked against fp32)."""
+def read_best(job_id: JobId, session: SessionDep, _: ReadAuth):
+    """The winner so far: the fastest completed config by its median over re-measurements, loss
+    checked against fp32, within the memory budget (the same winner every view shows)."""
     job = _get_job(session, job_id)
-    summary = job.summary if job.state in FINAL_STATES else None
-    if summary is None and job.study_name:
-        summary = trial_store.study_summary(session, settings.database_url, job.study_name)
-    best = (summary or {}).get("best")
-    if not best:
+    verdict, _study = trial_store.winner(session, job)
+    best = verdict.best
+    if best is None:
         raise ApiError(
             404, f"job {job_id} has no completed trial yet (state: {job.state})", [("id", "no best yet")]
         )
     return BestPublic(
         job_id=job.id,
         study_name=job.study_name,
-        trial=best["trial"],
-        config=best["config"],
-        tokens_per_s=best["tokens_per_s"],
-        metrics=best.get("metrics") or {},
-        noise=best.get("noise"),
-        baseline_tokens_per_s=(summary.get("baseline") or {}).get("tokens_per_s"),
-        speedup=summary.get("speedup"),
-        tie=bool(summary.get("tie")),
-        counts=summary.get("counts") or {},
+        trial=best.trial,
+        config=best.config,
+        tokens_per_s=best.tokens_per_s,
+        metrics=best.metrics,
+        noise=best.noise,
+        baseline_tokens_per_s=verdict.baseline_tokens_per_s,
+        speedup=verdict.speedup,
+        tie=verdict.tie,
+        counts=verdict.counts,
     )
 
 

@@ -10,11 +10,11 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import func, select, text
 
-from api import trials as trial_store
 from api.deps import ReadAuth, SessionDep, SettingsDep
 from api.schemas import Readiness, SearchSpacePublic
 from api.settings import Settings
 from tuner.db import JOB_STATES, Job
+from tuner.record.reader import trial_counts_and_durations
 
 router = APIRouter(tags=["service"])
 
@@ -85,11 +85,7 @@ def read_metrics(session: SessionDep):
     by_state = dict(session.execute(select(Job.state, func.count()).group_by(Job.state)).all())
     lines = ["# HELP tuner_jobs Jobs by state.", "# TYPE tuner_jobs gauge"]
     lines += [f'tuner_jobs{{state="{s}"}} {by_state.get(s, 0)}' for s in JOB_STATES]
-    try:
-        counts, durations = trial_store.trial_counts_and_durations(session)
-    except Exception:  # noqa: BLE001 - no study has run yet, so Optuna's tables do not exist
-        session.rollback()
-        counts, durations = {}, []
+    counts, durations = trial_counts_and_durations(session)  # none before the first study
     lines += ["# HELP tuner_trials Trials by measured status (or Optuna state).", "# TYPE tuner_trials gauge"]
     lines += [f'tuner_trials{{status="{k}"}} {n}' for k, n in sorted(counts.items())]
     lines += [

@@ -18,11 +18,11 @@ from tuner.nightly.history import (
     find_previous,
     judge,
     parse_run,
+    previous_night_configs,
     record,
     run_recipe,
     run_tag,
     tonight_run,
-    warm_start_configs,
 )
 from tuner.nightly.inputs import NightlyError, find_recipes, parse_night, parse_threshold, seconds_until
 from tuner.nightly.report import render_markdown, write_report
@@ -66,6 +66,6 @@ __all__ = [
     "run_tag",
     "seconds_until",
     "tonight_run",
-    "warm_start_configs",
+    "previous_night_configs",
     "write_report",
 ]

@@ -217,7 +217,7 @@ def record(outcome: Outcome, url: str | None) -> None:
             row.created_at = utcnow()
 
 
-def warm_start_configs(
+def previous_night_configs(
     previous: Previous | None, storage_url: str | None, top_k: int
 ) -> list[dict[str, Any]]:
     """Last night's best first (so it is re-measured tonight), then its runners-up, de-duplicated."""
@@ -230,22 +230,14 @@ def warm_start_configs(
 
 
 def _top_configs(study_name: str, storage_url: str | None, k: int) -> list[dict[str, Any]]:
-    import optuna
-
-    from tuner.space import config_from_params
-    from tuner.storage import get_storage
+    """The study's ranked top `k` configs (`rank_trials`: the same winner every view names)."""
+    from tuner.db import DatabaseError
+    from tuner.summary import summarize
 
     try:
-        study = optuna.load_study(study_name=study_name, storage=get_storage(storage_url))
-    except Exception:  # noqa: BLE001 - study deleted or elsewhere: the best config alone still warm-starts
+        return [e.config for e in summarize(study_name, storage_url, top_k=k).top_k]
+    except (KeyError, DatabaseError):  # study deleted or elsewhere: the best config alone still warm-starts
         return []
-    ok = [
-        t
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        if t.user_attrs.get("tokens_per_s")
-    ]
-    ok.sort(key=lambda t: t.user_attrs["tokens_per_s"], reverse=True)
-    return [config_from_params(t.params).active_params() for t in ok[:k]]
 
 
 def _dedupe(configs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -288,7 +280,7 @@ def run_recipe(
     the comparison uses the fingerprint tonight's trials actually ran on.
     """
     warm_from = find_previous(recipe.name, night, expected_fingerprint_hash or "", db_url)
-    enqueue = warm_start_configs(warm_from, db_url, top_k)
+    enqueue = previous_night_configs(warm_from, db_url, top_k)
     run = tonight_run(recipe.name, night, db_url)
     try:
         tonight = tune(recipe, enqueue, run)

@@ -9,6 +9,8 @@ from typing import Any
 
 from tuner.nightly.history import Tonight, Tune, run_tag
 from tuner.recipe import Recipe
+from tuner.record import keys
+from tuner.record.status import RUNNING, WAITING
 
 
 def local_fingerprint_hash(recipe: Recipe) -> str:
@@ -65,12 +67,12 @@ def local_tuner(
             )
         best = summary.best
         return Tonight(
-            best_tokens_per_s=best["tokens_per_s"] if best else None,
-            config=best["config"] if best else None,
+            best_tokens_per_s=best.tokens_per_s if best else None,
+            config=best.config if best else None,
             fingerprint=fp,
             fingerprint_hash=fingerprint_hash(fp),
             study_name=summary.study_name,
-            trials=sum(n for status, n in summary.counts.items() if status not in ("waiting", "running")),
+            trials=sum(n for status, n in summary.counts.items() if status not in (RUNNING, WAITING)),
             remeasured_previous_tokens_per_s=_measured(summary.study_name, storage_url, enqueue[:1]),
             warm_started=queued,
             error=None if best else f"no trial succeeded ({_counts(summary.counts)})",
@@ -96,9 +98,9 @@ def _enqueue_first(recipe: Recipe, name: str, configs: list[dict[str, Any]], sto
         study_name=name, storage=get_storage(storage_url), directions=directions, load_if_exists=True
     )
     for i, config in enumerate(configs):
-        role = "previous_best" if i == 0 else "previous_top"
+        role = keys.PREVIOUS_BEST if i == 0 else keys.PREVIOUS_TOP
         params = trial_params(config_from_params(config))
-        study.enqueue_trial(params, user_attrs={"role": role}, skip_if_exists=True)
+        study.enqueue_trial(params, user_attrs={keys.ROLE: role}, skip_if_exists=True)
     return len(configs)
 
 
@@ -121,16 +123,17 @@ def _measured(study_name: str, storage_url: str | None, configs: list[dict[str, 
     """Tonight's tokens/s of the first of `configs` (last night's best), if it ran."""
     if not configs:
         return None
-    import optuna
-
+    from tuner.db import session_scope
+    from tuner.record.reader import read_study
     from tuner.space import config_from_params
-    from tuner.storage import get_storage
 
     want = config_from_params(configs[0]).key()
-    study = optuna.load_study(study_name=study_name, storage=get_storage(storage_url))
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        if t.user_attrs.get("tokens_per_s") and config_from_params(t.params).key() == want:
-            return t.user_attrs["tokens_per_s"]
+    with session_scope(storage_url) as session:
+        study = read_study(session, study_name)
+    for t in study.trials if study else []:
+        config = t.config()
+        if t.completed and t.tokens_per_s and config is not None and config.key() == want:
+            return t.tokens_per_s
     return None
 
 
@@ -229,16 +232,15 @@ def _study_fingerprint(study_name: str | None, storage_url: str | None) -> dict[
     """The fingerprint the service's worker stored with its study (same database), or {}."""
     if not study_name:
         return {}
-    import optuna
-
-    from tuner.storage import get_storage
+    from tuner.db import DatabaseError, session_scope
+    from tuner.record.reader import read_study
 
     try:
-        study = optuna.load_study(study_name=study_name, storage=get_storage(storage_url))
-    except (KeyError, ValueError):
+        with session_scope(storage_url) as session:
+            study = read_study(session, study_name)
+    except (DatabaseError, ValueError):
         return {}
-    fp = study.user_attrs.get("fingerprint")
-    return fp if isinstance(fp, dict) else {}
+    return study.fingerprint if study else {}
 
 
 def _hash(fp: dict[str, Any]) -> str:

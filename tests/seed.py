@@ -1,5 +1,6 @@
-"""Synthetic tuning jobs for the load benchmark, demos and tests: a job row plus an Optuna study of
-plausible trials (real knob params from the CPU space, OOMs, errors), written in bulk."""
+"""Synthetic tuning jobs for the tests and the load benchmarks (not shipped with the service): a job
+row plus an Optuna study of plausible trials (real knob params from the CPU space, OOMs, errors),
+written in bulk through the table declarations the readers use (`tuner.optuna_tables`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any
 
 from sqlalchemy import func, insert, select, text
 
-from api.dashboard.store import CATEGORIES
+from tuner import optuna_tables as tables
 from tuner.db import Job, JobEvent, session_scope, utcnow
-from tuner.study_rows import snapshot_study
+from tuner.record.snapshot import snapshot_study
+from tuner.result import BREAKDOWN_CATEGORIES as CATEGORIES
 
 TINY = {
     "name": "gpt-tiny",
@@ -126,14 +128,6 @@ def seed_study(
     """
     import optuna
     from optuna.distributions import CategoricalDistribution, distribution_to_json
-
-    # Optuna's own table declarations carry its column types (enums on PostgreSQL).
-    from optuna.storages._rdb.models import (
-        TrialModel,
-        TrialParamModel,
-        TrialUserAttributeModel,
-        TrialValueModel,
-    )
     from optuna.trial import TrialState
 
     from tuner.devices import describe
@@ -154,7 +148,7 @@ def seed_study(
     start = utcnow() - dt.timedelta(seconds=3 * (n_trials + running))
     trial_rows, value_rows, param_rows, attr_rows = [], [], [], []
     best = None
-    trials_t = TrialModel.__table__
+    trials_t = tables.trials
     with storage.engine.begin() as conn:
         first_id = (conn.scalar(select(func.max(trials_t.c.trial_id))) or 0) + 1
         first_number = conn.scalar(select(func.count()).where(trials_t.c.study_id == sid)) or 0
@@ -172,7 +166,7 @@ def seed_study(
                     "trial_id": tid,
                     "number": first_number + i,
                     "study_id": sid,
-                    "state": state,
+                    "state": state.name,
                     "datetime_start": began,
                     "datetime_complete": began + dt.timedelta(seconds=rng.uniform(2, 4))
                     if finished
@@ -197,7 +191,7 @@ def seed_study(
                         "trial_id": tid,
                         "objective": 0,
                         "value": metrics["tokens_per_s"],
-                        "value_type": TrialValueModel.TrialValueType.FINITE,
+                        "value_type": "FINITE",
                     }
                 )
                 best = max(best or 0.0, metrics["tokens_per_s"])
@@ -205,11 +199,11 @@ def seed_study(
                 attr_rows.append({"trial_id": tid, "key": key, "value_json": json.dumps(value)})
         conn.execute(insert(trials_t), trial_rows)
         if value_rows:
-            conn.execute(insert(TrialValueModel.__table__), value_rows)
+            conn.execute(insert(tables.values), value_rows)
         if param_rows:
-            conn.execute(insert(TrialParamModel.__table__), param_rows)
+            conn.execute(insert(tables.params), param_rows)
         if attr_rows:
-            conn.execute(insert(TrialUserAttributeModel.__table__), attr_rows)
+            conn.execute(insert(tables.user_attrs), attr_rows)
         if conn.dialect.name == "postgresql":
             # The trials above carry their own ids: move the sequence past them, or Optuna's next
             # trial in this database would be given one of theirs.

@@ -1,0 +1,92 @@
+"""The names trials and studies are stored under in Optuna (user and system attributes), defined
+once. Everything that writes or reads a stored trial uses these constants, never the bare string.
+
+A pure-constant module: trial ranks (`tuner.workload`) may import it without loading Optuna.
+"""
+
+from __future__ import annotations
+
+# ---- the public result keys (DESIGN.md): CLI --json, trial user attributes, REST -------------------
+STATUS = "status"
+STEP_TIME_S = "step_time_s"
+STEP_TIME_SPREAD = "step_time_spread"
+TOKENS_PER_S = "tokens_per_s"
+SAMPLES_PER_S = "samples_per_s"
+TFLOPS = "tflops"
+MFU = "mfu"
+PEAK_MEM_ALLOCATED_BYTES = "peak_mem_allocated_bytes"
+PEAK_MEM_RESERVED_BYTES = "peak_mem_reserved_bytes"
+ESTIMATED_PEAK_MEM_BYTES = "estimated_peak_mem_bytes"
+LOSS = "loss"
+ERROR = "error"
+
+RESULT_KEYS = (
+    STATUS,
+    STEP_TIME_S,
+    STEP_TIME_SPREAD,
+    TOKENS_PER_S,
+    SAMPLES_PER_S,
+    TFLOPS,
+    MFU,
+    PEAK_MEM_ALLOCATED_BYTES,
+    PEAK_MEM_RESERVED_BYTES,
+    ESTIMATED_PEAK_MEM_BYTES,
+    LOSS,
+    ERROR,
+)
+
+# ---- evidence a trial keeps besides the result keys ----------------------------------------------
+ERROR_KIND = "error_kind"  # exception class, "timeout", "budget", "worker_died", ...
+LOSSES = "losses"  # per measured step, same seed and data in every trial: the drift check compares them
+STEP_TIMES = "step_times"
+WALL_S = "wall_s"  # launch to exit, as the executor saw it
+MEASURED_S = "measured_s"  # time inside the measured steps
+BREAKDOWN = "breakdown"  # step-time seconds by category (a profiled trial)
+LOG_PATH = "log_path"
+LOG_TAIL = "log_tail"
+NODE = "node"
+EVIDENCE_KEYS = (ERROR_KIND, LOSSES, STEP_TIMES, WALL_S, MEASURED_S, BREAKDOWN, LOG_PATH, LOG_TAIL, NODE)
+
+# ---- what the study driver records about a trial -------------------------------------------------
+ROLE = "role"  # why the trial ran: baseline, fp32_reference, warm_start, previous_best, retry, ...
+CONFIG_KEY = "config_key"  # Config.key(): duplicates share it
+DEVICE_SECONDS = "device_seconds"  # wall time x devices
+ESTIMATOR_CALIBRATION = "estimator_calibration"
+PRUNED_REASON = "pruned_reason"
+DUPLICATE_OF = "duplicate_of"  # the trial whose measurement a duplicate reuses
+CANCELLED = "cancelled"  # the run was stopped; its config goes back in the queue
+DRIVER_DIED = "driver_died"  # the driver that owned it died; its config goes back in the queue
+RETRY_OF = "retry_of"
+CONFIG = "config"  # a full knob setting stored whole (older studies); newer ones rebuild it from params
+
+# Roles the driver gives the trials it queues itself.
+BASELINE = "baseline"
+FP32_REFERENCE = "fp32_reference"
+WARM_START = "warm_start"
+PREVIOUS_BEST = "previous_best"
+PREVIOUS_TOP = "previous_top"
+RETRY = "retry"
+GRID = "grid"
+ENQUEUED = "enqueued"
+
+# ---- trial system attributes (the driver's liveness; Optuna's constraints) -----------------------
+HEARTBEAT = "tuner:heartbeat"  # Optuna's heartbeat needs study.optimize; ask/tell records its own
+OWNER = "tuner:owner"
+CONSTRAINT_PREFIX = "constraints:"  # Optuna's Trial.set_constraint(name, v) -> "constraints:<name>"
+MEMORY_CONSTRAINT = "memory"
+
+# ---- study user attributes ------------------------------------------------------------------------
+RECIPE = "recipe"
+RECIPE_HASH = "recipe_hash"
+FINGERPRINT = "fingerprint"
+FINGERPRINT_HASH = "fingerprint_hash"
+SPACE = "space"
+OBJECTIVE = "objective"
+REMEASURED_PREFIX = (
+    "remeasured:"  # remeasured:<trial number> -> [tokens/s, ...] (finished trials are read-only)
+)
+REMEASURE_DEVICE_SECONDS = "remeasure_device_seconds"
+
+
+def remeasured_key(trial_number: int) -> str:
+    return f"{REMEASURED_PREFIX}{trial_number}"

@@ -1,0 +1,150 @@
+"""The one definition of which trial is best (`rank_trials`): the ranking of a study's completed
+trials by their median throughput over every measurement, with the loss-drift check against the
+fp32 reference, the memory constraint, the runner-up and the tie rule. The summary, the worker,
+the build, the nightly, the REST API and the dashboard all call it."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tuner.record import keys
+from tuner.record.trial import TrialRecord
+
+# Largest relative gap, at any measured step, between a trial's loss and the fp32 (amp O0)
+# reference trial of the same study (same seed, same data). Low-precision training drifts a
+# little; a larger gap means the config computes something else and must not win.
+LOSS_TOLERANCE = {"O0": 0.01, "bf16": 0.02, "fp16": 0.02}
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A completed trial as the ranking sees it."""
+
+    trial: int
+    config: dict[str, Any]  # the knobs that apply
+    tokens_per_s: float  # median over the trial's measurement and its re-measurements
+    remeasured_tokens_per_s: list[float]
+    noise: float  # relative: the larger of the spread over measurements and within the trial's steps
+    metrics: dict[str, Any]  # the public result keys as measured
+    role: str | None
+    constraint_ok: bool
+    loss_drift: float | None = None
+    loss_reference_trial: int | None = None
+    flag: str | None = None  # why it cannot win (loss drift)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Eligible trials best first, the ones excluded for loss drift, and the baseline."""
+
+    ranked: tuple[Ranked, ...] = ()
+    flagged: tuple[Ranked, ...] = ()
+    baseline: Ranked | None = None
+    reference: int | None = None  # the fp32 trial losses are checked against
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Ranked | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def runner_up(self) -> Ranked | None:
+        return self.ranked[1] if len(self.ranked) > 1 else None
+
+    @property
+    def tie(self) -> bool:
+        """The winner is within the measurement noise of the runner-up: either is fine."""
+        best, second = self.best, self.runner_up
+        if best is None or second is None:
+            return False
+        gap = (best.tokens_per_s - second.tokens_per_s) / best.tokens_per_s
+        return gap <= max(best.noise, second.noise)
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best is None or self.baseline is None or not self.baseline.tokens_per_s:
+            return None
+        return self.best.tokens_per_s / self.baseline.tokens_per_s
+
+
+def _relative_spread(values: Sequence[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+
+
+def ranked(t: TrialRecord, again: Sequence[float]) -> Ranked:
+    """`t` with its measurements folded into one median (it must have completed with a throughput)."""
+    measured = [t.tokens_per_s, *again] if t.tokens_per_s is not None else list(again)
+    config = t.config()
+    return Ranked(
+        trial=t.number,
+        config=config.active_params() if config is not None else dict(t.params),
+        tokens_per_s=statistics.median(measured),
+        remeasured_tokens_per_s=list(again),
+        noise=max(_relative_spread(measured), t.attrs.get(keys.STEP_TIME_SPREAD) or 0.0),
+        metrics={k: t.attrs.get(k) for k in keys.RESULT_KEYS},
+        role=t.role,
+        constraint_ok=t.constraint_ok,
+    )
+
+
+def loss_drift(t: TrialRecord, reference: TrialRecord | None) -> float | None:
+    """Largest relative gap between the trial's per-step losses and the reference's."""
+    losses = t.attrs.get(keys.LOSSES) or []
+    ref_losses = (reference.attrs.get(keys.LOSSES) or []) if reference else []
+    pairs = list(zip(losses, ref_losses, strict=False))
+    if not pairs:
+        return None
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
+
+
+def tolerance(t: TrialRecord) -> float:
+    if t.params.get("amp", "O0") == "O0":
+        return LOSS_TOLERANCE["O0"]
+    return LOSS_TOLERANCE.get(t.params.get("amp_dtype", "bf16"), LOSS_TOLERANCE["bf16"])
+
+
+def rank_trials(trials: Iterable[TrialRecord], remeasured: Mapping[int, Sequence[float]]) -> Ranking:
+    """Rank a study's trials. `remeasured` holds each trial's re-measurements (tokens/s).
+
+    Eligible: completed with a throughput, within the memory constraint, and with losses within
+    `LOSS_TOLERANCE` of the first fp32 trial's (the reference; it is eligible itself). Ordered by
+    median tokens/s, then trial number.
+    """
+    trials = list(trials)
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[t.status] = counts.get(t.status, 0) + 1
+    complete = [t for t in trials if t.completed and t.tokens_per_s]
+    fp32 = [t for t in complete if t.params.get("amp") == "O0"]
+    reference = min(fp32, key=lambda t: t.number) if fp32 else None
+    eligible, flagged = [], []
+    for t in complete:
+        entry = ranked(t, remeasured.get(t.number, []))
+        drift = loss_drift(t, reference) if t is not reference else 0.0
+        extra = {"loss_drift": drift, "loss_reference_trial": reference.number if reference else None}
+        if drift is not None and drift > tolerance(t):
+            flag = f"loss drifts {drift:.1%} from the fp32 reference (trial {reference.number})"
+            flagged.append(_with(entry, **extra, flag=flag))
+        elif entry.constraint_ok:
+            eligible.append(_with(entry, **extra))
+    eligible.sort(key=lambda e: (-e.tokens_per_s, e.trial))
+    base = next((t for t in complete if t.role == keys.BASELINE), None)
+    return Ranking(
+        ranked=tuple(eligible),
+        flagged=tuple(flagged),
+        baseline=ranked(base, remeasured.get(base.number, [])) if base is not None else None,
+        reference=reference.number if reference else None,
+        counts=counts,
+    )
+
+
+def _with(entry: Ranked, **changes: Any) -> Ranked:
+    from dataclasses import replace
+
+    return replace(entry, **changes)
