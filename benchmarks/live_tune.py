@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     study = optuna.load_study(study_name=summary.study_name, storage=url)
     ran = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("wall_s") is not None]
     ran.sort(key=lambda t: t.datetime_complete)
-    best_no = summary.best["trial"] if summary.best else None
+    best_no = summary.best.trial if summary.best else None
     reach = next((i for i, t in enumerate(ran, 1) if t.number == best_no), None)
     reach_s = (ran[reach - 1].datetime_complete.timestamp() - t0) if reach else None
     overhead = [
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         "trials": len(study.trials),
         "device_runs": len(ran),
         "pruned": sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials),
-        "best_tokens_per_s": summary.best["tokens_per_s"] if summary.best else None,
-        "baseline_tokens_per_s": summary.baseline["tokens_per_s"] if summary.baseline else None,
+        "best_tokens_per_s": summary.best.tokens_per_s if summary.best else None,
+        "baseline_tokens_per_s": summary.baseline.tokens_per_s if summary.baseline else None,
         "speedup": summary.speedup,
         "tie": bool(summary.tie),
         "device_runs_to_best": reach,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if est_err
         else None,
         "estimator_error_pct_worst": round(max(est_err, key=abs), 1) if est_err else None,
-        "best_config": summary.best["config"] if summary.best else None,
+        "best_config": summary.best.config if summary.best else None,
     }
     if args.json:
         print(json.dumps(out))

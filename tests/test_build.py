@@ -269,9 +269,10 @@ def test_where_nothing_compiles_the_build_still_holds_config_launch_and_profile(
     """The Ascend NPU path (no torch.compile there), run on CPU: only the decision is stood in for;
     the measurement, profile, archive and registration are real."""
     import tuner.build as build
+    import tuner.build.pipeline
 
     reason = "torch.compile is not driven on Ascend NPU, so the kernel part is not produced there"
-    monkeypatch.setattr(build, "build_plan", lambda config, recipe, family: (config, reason))
+    monkeypatch.setattr(tuner.build.pipeline, "build_plan", lambda config, recipe, family: (config, reason))
     record = build.build_trial(
         recipe_from_dict(RECIPE), storage_url=measured["url"], store=ArtifactStore(tmp_path), timeout_s=300
     )

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from tuner.build import _speed_line, build_plan, collect_kernels, split_fused
+from tuner.build import build_plan, collect_kernels, split_fused
+from tuner.build.report import _speed_line
 from tuner.config import Config
 from tuner.recipe import recipe_from_dict
 

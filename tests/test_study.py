@@ -21,8 +21,9 @@ from tuner.estimate import estimate
 from tuner.executors.base import Executor
 from tuner.prune import OOM_MARGIN, verdict
 from tuner.recipe import recipe_from_dict
+from tuner.record.keys import HEARTBEAT as HEARTBEAT_KEY
+from tuner.record.keys import OWNER as OWNER_KEY
 from tuner.result import TrialResult, TrialSpec
-from tuner.resume import HEARTBEAT_KEY, OWNER_KEY
 from tuner.space import config_from_params, load_space, trial_params
 from tuner.study import run_study
 from tuner.summary import summarize
@@ -143,10 +144,10 @@ def test_baseline_then_reference_run_first_and_nothing_infeasible_reaches_the_ex
     (then an fp32 copy of it is the loss reference), fp32 where it is not (its own reference)."""
     import dataclasses
 
-    import tuner.study
+    import tuner.study.driver
 
     device = dataclasses.replace(CPU, fast_dtypes=("bf16",) if fast_bf16 else ())
-    monkeypatch.setattr(tuner.study, "describe", lambda family: device)
+    monkeypatch.setattr(tuner.study.driver, "describe", lambda family: device)
     recipe = make_recipe(f"order-{fast_bf16}")
     ex = FakeExecutor()
     summary = tune(recipe, ex, trials=8)
@@ -168,8 +169,8 @@ def test_baseline_then_reference_run_first_and_nothing_infeasible_reaches_the_ex
     measured = [Config(**s.config).key() for s in ex.submitted]
     assert len(measured) == len(set(measured)), "a config reached the device twice"
     assert summary.n_trials == 8 and sum(summary.counts.values()) == 8
-    assert summary.best["tokens_per_s"] == max(e["tokens_per_s"] for e in summary.top_k)
-    assert summary.baseline["trial"] == 0 and summary.speedup >= 1.0
+    assert summary.best.tokens_per_s == max(e.tokens_per_s for e in summary.top_k)
+    assert summary.baseline.trial == 0 and summary.speedup >= 1.0
 
 
 def test_conditional_knobs_are_absent_from_params_when_they_do_not_apply(tune, url):
@@ -207,9 +208,9 @@ def test_loss_drift_beyond_the_amp_tolerance_cannot_win(tune):
     # O2 is the fastest in the fake, but its losses are 5% off the fp32 reference.
     recipe = make_recipe("drift", overrides={**NARROW, "amp": ["O0", "O1", "O2"]})
     summary = tune(recipe, FakeExecutor(drift={"O2": 0.05}), trials=6)
-    assert [e["config"]["amp"] for e in summary.flagged] == ["O2"]
-    assert "loss drifts 5.0% from the fp32 reference" in summary.flagged[0]["flag"]
-    assert summary.best["config"]["amp"] == "O1"
+    assert [e.config["amp"] for e in summary.flagged] == ["O2"]
+    assert "loss drifts 5.0% from the fp32 reference" in summary.flagged[0].flag
+    assert summary.best.config["amp"] == "O1"
 
 
 def test_remeasured_top_configs_keep_one_complete_trial_each(tune, url):
@@ -217,7 +218,7 @@ def test_remeasured_top_configs_keep_one_complete_trial_each(tune, url):
     recipe = make_recipe("again", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
     summary = tune(recipe, ex, trials=6, remeasure_top=2)
     assert len([s for s in ex.submitted if s.tag.startswith("remeasure")]) == 2
-    assert len(summary.best["remeasured_tokens_per_s"]) == 1
+    assert len(summary.best.remeasured_tokens_per_s) == 1
     complete = [t for t in trials_of(summary, url) if t.state == TrialState.COMPLETE]
     assert len({t.user_attrs["config_key"] for t in complete}) == len(complete)
     # Rerunning with the budget spent measures nothing new.
@@ -233,8 +234,8 @@ def test_a_winner_that_was_lucky_loses_its_place_and_the_next_one_is_remeasured(
     summary = tune(recipe, ex, trials=3, sampler="grid", remeasure_top=1)
     again = [Config(**s.config).micro_batch_size for s in ex.submitted if s.tag.startswith("remeasure")]
     assert again == [8, 4]
-    assert summary.best["config"]["micro_batch_size"] == 4
-    assert len(summary.best["remeasured_tokens_per_s"]) == 1
+    assert summary.best.config["micro_batch_size"] == 4
+    assert len(summary.best.remeasured_tokens_per_s) == 1
 
 
 def test_equal_configs_are_reported_as_a_tie(tune):
@@ -242,7 +243,7 @@ def test_equal_configs_are_reported_as_a_tie(tune):
     recipe = make_recipe("tie", overrides={**NARROW, "loader_workers": [0, 1]})
     summary = tune(recipe, trials=10, sampler="grid")
     assert summary.tie and summary.runner_up is not None
-    assert summary.best["tokens_per_s"] == summary.runner_up["tokens_per_s"]
+    assert summary.best.tokens_per_s == summary.runner_up.tokens_per_s
 
 
 def test_grid_sampler_measures_each_config_of_a_narrow_space_once(tune):
@@ -278,7 +279,7 @@ def test_failed_trials_keep_their_error_and_the_loop_goes_on(tune):
     ex = FakeExecutor(fail_on=lambda c: "oom" if c.micro_batch_size >= 4 else None)
     summary = tune(make_recipe("fail", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]}), ex, trials=6)
     assert summary.counts.get("oom", 0) >= 1 and summary.counts.get("ok", 0) >= 1
-    assert summary.best["config"]["micro_batch_size"] < 4
+    assert summary.best.config["micro_batch_size"] < 4
     assert (
         summary.device_seconds["oom"] > 0 and summary.device_seconds["total"] >= summary.device_seconds["oom"]
     )
@@ -292,7 +293,7 @@ def test_multi_objective_gives_a_pareto_front(tune):
     )
     summary = tune(recipe, trials=6, sampler="tpe")
     assert summary.study_name.endswith("-pareto")
-    assert summary.pareto and summary.best["trial"] in {e["trial"] for e in summary.pareto}
+    assert summary.pareto and summary.best.trial in {e.trial for e in summary.pareto}
 
 
 def test_warm_start_enqueues_the_best_configs_of_the_most_similar_study(tune, url):
@@ -307,7 +308,7 @@ def test_warm_start_enqueues_the_best_configs_of_the_most_similar_study(tune, ur
     second = tune(bigger, trials=4)
     warm = [t for t in trials_of(second, url) if t.user_attrs.get("role") == "warm_start"]
     # The earlier best is the new study's baseline already; the runners-up come next.
-    assert warm and config_from_params(warm[0].params).active_params() in [e["config"] for e in first.top_k]
+    assert warm and config_from_params(warm[0].params).active_params() in [e.config for e in first.top_k]
 
 
 def test_running_trial_of_a_dead_driver_is_failed_and_its_config_retried(tune, url):
@@ -445,5 +446,5 @@ def test_a_baseline_that_runs_out_of_memory_falls_back_to_the_next_smaller_micro
     summary = tune(recipe, ex, trials=5)
     baselines = [t for t in trials_of(summary, url) if t.user_attrs.get("role") == "baseline"]
     assert [t.params["micro_batch_size"] for t in baselines][:2] == [8, 4]
-    assert summary.baseline["config"]["micro_batch_size"] == 4
+    assert summary.baseline.config["micro_batch_size"] == 4
     assert summary.speedup is not None

@@ -27,7 +27,7 @@ from tuner.estimate import estimate
 from tuner.executors.local import LocalExecutor
 from tuner.prune import OOM_MARGIN, verdict
 from tuner.recipe import recipe_from_dict
-from tuner.resume import OWNER_KEY
+from tuner.record.keys import OWNER as OWNER_KEY
 from tuner.study import run_study
 from tuner.summary import summarize
 
@@ -99,8 +99,8 @@ def test_real_study_on_postgres_prunes_predicted_oom_and_another_process_reads_i
         assert all(verdict(Config(**s.config), recipe, CPU).reason is None for s in ex.submitted)
         assert summary.counts == {"ok": 1, "pruned": 1, "duplicate": 1}
         best = summary.best
-        assert best["config"]["micro_batch_size"] == 8 and best["tokens_per_s"] > 0
-        assert best["metrics"]["status"] == "ok" and best["metrics"]["loss"] > 0
+        assert best.config["micro_batch_size"] == 8 and best.tokens_per_s > 0
+        assert best.metrics["status"] == "ok" and best.metrics["loss"] > 0
         assert summary.device_seconds["ok"] > 0
 
         code = (
@@ -116,9 +116,9 @@ def test_real_study_on_postgres_prunes_predicted_oom_and_another_process_reads_i
         assert out.returncode == 0, out.stderr
         seen = json.loads(out.stdout)
         assert seen["n"] == 3 and seen["best"]["micro_batch_size"] == 8
-        assert seen["tps"] == pytest.approx(best["tokens_per_s"])
+        assert seen["tps"] == pytest.approx(best.tokens_per_s)
         assert any(r and r.startswith("predicted out of memory") for r in seen["reasons"])
-        assert summarize(summary.study_name, url).best["trial"] == best["trial"]
+        assert summarize(summary.study_name, url).best.trial == best.trial
     finally:
         with contextlib.suppress(KeyError):
             optuna.delete_study(study_name=recipe_study_name(recipe), storage=url)

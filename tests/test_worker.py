@@ -19,7 +19,10 @@ from test_db import fresh_pg_database
 from tuner.db import Job, JobEvent, session_scope, utcnow
 from tuner.migrations import upgrade
 from tuner.recipe import parse_recipe
+from tuner.record.ranking import Ranked
+from tuner.summary import StudySummary
 from tuner.worker import JobRun, Worker, WorkerSettings, claim_job, recover_jobs
+from tuner.worker.job import BuildOutcome
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
@@ -145,13 +148,16 @@ class _Executor:
         pass
 
 
-class _Summary:
-    def __init__(self, best: dict | None):
-        self.best = best
+def _summary(best_tps: float | None) -> StudySummary:
+    """What run_study returns: a best at `best_tps` over a baseline at 100 tokens/s, or no best."""
 
-    def to_dict(self) -> dict:
-        base = {"tokens_per_s": 100.0}
-        return {"best": self.best, "baseline": base if self.best else None, "n_trials": 2}
+    def entry(trial: int, tps: float) -> Ranked:
+        return Ranked(trial, {}, tps, [], 0.0, {}, None, True)
+
+    if best_tps is None:
+        return StudySummary("s", "sqlite://", n_trials=2)
+    best, base = entry(0, best_tps), entry(1, 100.0)
+    return StudySummary("s", "sqlite://", best=best, baseline=base, speedup=best_tps / 100.0, n_trials=2)
 
 
 def _study(trials_before_stop: int | None, best_tps: float | None = 150.0, raise_on_stop: bool = False):
@@ -177,7 +183,7 @@ def _study(trials_before_stop: int | None, best_tps: float | None = 150.0, raise
                 }
             )
         progress({"event": "done", "done": trials, "total": trials, "summary": {}})
-        return _Summary({"trial": 0, "tokens_per_s": best_tps} if best_tps else None)
+        return _summary(best_tps)
 
     return run_study
 
@@ -189,7 +195,7 @@ def _worker(url: str, **kw) -> Worker:
 
 def test_progress_becomes_job_events_and_the_job_succeeds(sqlite_url, monkeypatch):
     monkeypatch.setattr("tuner.study.run_study", _study(None))
-    monkeypatch.setattr(JobRun, "_build", lambda *_a: {"error": "no build in this test"})
+    monkeypatch.setattr(JobRun, "_build", lambda *_a: BuildOutcome(error="no build in this test"))
     job_id = _queue(sqlite_url)[0]
     worker = _worker(sqlite_url)
     assert worker.run_once() == job_id

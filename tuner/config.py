@@ -183,6 +183,15 @@ def microbatches(config: Config, recipe: Recipe) -> int:
 
 def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
     """Every reason this config cannot run for this recipe on this device; [] when it can."""
+    return [
+        *_split_reasons(config, recipe, device),
+        *_device_reasons(config, device),
+        *_combination_reasons(config, device),
+    ]
+
+
+def _split_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
+    """The parallel split against the devices, the model's shapes and the batch."""
     m = recipe.model
     r: list[str] = []
     want = recipe.hardware.devices
@@ -213,6 +222,12 @@ def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> li
             f"pp={config.pp} needs at least {config.pp} microbatches per step, "
             f"but global batch {gbs} / (micro_batch_size*dp) gives {gbs // per_step}"
         )
+    return r
+
+
+def _device_reasons(config: Config, device: DeviceInfo) -> list[str]:
+    """Kernels, dtypes and features the device has or lacks."""
+    r: list[str] = []
     if config.attention not in device.attention_backends:
         r.append(
             f"attention={config.attention} is not available on {device.family} "
@@ -236,6 +251,12 @@ def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> li
             r.append(f"grad_compression=bf16 needs NCCL, not {device.backend}; use fp16 or none")
         if config.grad_compression == "powersgd" and device.backend == "hccl":
             r.append("grad_compression=powersgd is not supported with hccl")
+    return r
+
+
+def _combination_reasons(config: Config, device: DeviceInfo) -> list[str]:
+    """Knob combinations this workload (or torch) cannot run together."""
+    r: list[str] = []
     if config.dp > 1 and config.dp_shard == "fsdp" and config.pp > 1:
         r.append("dp_shard=fsdp with pp > 1 is not supported by this workload; use ddp")
     if config.amp == "O2" and config.amp_dtype == "fp16" and config.dp_shard == "fsdp" and config.dp > 1:

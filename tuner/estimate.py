@@ -96,12 +96,31 @@ def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
 
 
 def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Estimate:
+    params, grads, states, comm = _state_bytes(recipe, config, stage)
+    activations, logits = _activation_bytes(recipe, config, device, stage)
+    overhead = FAMILY_OVERHEAD_BYTES.get(device.family, 256 * MiB)
+    peak = params + grads + states + comm + activations + logits + overhead
+    return Estimate(
+        peak_mem_bytes=int(peak),
+        params_bytes=int(params),
+        grads_bytes=int(grads),
+        optimizer_bytes=int(states),
+        activation_bytes=int(activations),
+        logits_bytes=int(logits),
+        comm_bytes=int(comm),
+        overhead_bytes=int(overhead),
+        flops_per_step=0.0,
+        hardware_flops_per_step=0.0,
+        stage=stage,
+    )
+
+
+def _state_bytes(recipe: Recipe, config: Config, stage: int) -> tuple[int, int, int, int]:
+    """(parameters, gradients, optimizer state, communication buffers) of one rank of `stage`."""
     m, c = recipe.model, config
     first, last = stage == 0, stage == c.pp - 1
-    low = c.amp != "O0"
     fsdp = c.dp > 1 and c.dp_shard == "fsdp"
-
-    # ---- parameters on this rank (tp splits the block matmuls only: embeddings and head are whole)
+    # tp splits the block matmuls only: embeddings and head are whole
     h, f = m.hidden, m.ffn_size
     block_matmul = 4 * h * h + 2 * h * f
     block = block_matmul // c.tp + (block_params(m) - block_matmul)
@@ -113,7 +132,6 @@ def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Es
         root += 2 * h + h * m.vocab
     n_params += root
     shard = c.dp if fsdp else 1
-
     p_bytes = 2 if (c.amp == "O2" and not fsdp) else 4  # O2 casts the model; FSDP keeps fp32 shards
     params = n_params * p_bytes // shard
     grads = params
@@ -128,8 +146,15 @@ def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Es
     elif fsdp:
         gathered = 2 if c.amp == "O2" else 4
         comm = (root + block) * gathered * 2  # root stays gathered; one block's params and grads
+    return params, grads, states, comm
 
-    # ---- activations: bytes saved per microbatch per layer, then microbatches in flight
+
+def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> tuple[int, int]:
+    """(tensors saved for backward with every microbatch in flight, fp32 logits at the loss)."""
+    m, c = recipe.model, config
+    last = stage == c.pp - 1
+    low = c.amp != "O0"
+    h, f = m.hidden, m.ffn_size
     b, s = c.micro_batch_size, m.seq_len
     heads = m.heads // c.tp
     comp = 2 if low else 4  # matmul inputs are cast (O1) or already low precision (O2)
@@ -155,29 +180,14 @@ def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Es
     edge = 2 * bsh * resid if last else 0  # final LayerNorm input and output
     activations = in_flight * (layers * saved_layer + edge) + full_layer  # + one layer recomputed/backward
     if c.amp == "O1":
-        activations += 2 * block_matmul * layers // c.tp  # autocast's low-precision weight cache
+        activations += 2 * (4 * h * h + 2 * h * f) * layers // c.tp  # autocast's low-precision weight cache
     logits = 0
     if last:
         # fp32 log-softmax output, the incoming gradient and the gradient it produces; with amp
         # also the low-precision logits and the gradient cast back to them.
         per_token = 12 if c.amp == "O0" else 16
         logits = per_token * b * s * m.vocab * (n_micro if c.pp > 1 and c.pp_schedule == "gpipe" else 1)
-
-    overhead = FAMILY_OVERHEAD_BYTES.get(device.family, 256 * MiB)
-    peak = params + grads + states + comm + activations + logits + overhead
-    return Estimate(
-        peak_mem_bytes=int(peak),
-        params_bytes=int(params),
-        grads_bytes=int(grads),
-        optimizer_bytes=int(states),
-        activation_bytes=int(activations),
-        logits_bytes=int(logits),
-        comm_bytes=int(comm),
-        overhead_bytes=int(overhead),
-        flops_per_step=0.0,
-        hardware_flops_per_step=0.0,
-        stage=stage,
-    )
+    return activations, logits
 
 
 def _attention_matrix(backend: str, b: int, heads: int, s: int, comp: int, family: str, qkv: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -39,6 +39,10 @@ def _number(value: Any) -> Any:
 # Strict sections: `layers: "4"` or `steps: false` are mistakes, not values to coerce.
 # Real-valued fields still take numeric text, since YAML 1.1 has no exponent-only floats.
 Real = Annotated[float, BeforeValidator(_number)]
+
+
+Sampler = Literal["tpe", "gp", "cmaes", "random", "grid"]
+SAMPLERS: tuple[str, ...] = get_args(Sampler)
 
 
 class _Section(BaseModel):
@@ -96,7 +100,7 @@ class SearchSpec(_Section):
     )
     trials: int = Field(30, ge=1, le=100_000, description="Trials to run (pruned ones count).")
     timeout_min: Real = Field(30, gt=0, description="Stop starting new trials after this long.")
-    sampler: Literal["tpe", "gp", "cmaes", "random", "grid"] = Field("tpe")
+    sampler: Sampler = Field("tpe", description="Search algorithm; grid enumerates the space.")
     seed: int = Field(0, ge=0)
     objective: Literal["throughput", "throughput_memory"] = Field(
         "throughput", description="throughput_memory also minimises peak memory (Pareto front)."

@@ -89,43 +89,7 @@ def measure(
         config = default_config(recipe.hardware.devices, parse_sets(sets))
     except ConfigError as err:
         fail(f"--set {err}")
-    from tuner.devices import describe, resolve_family
-
-    try:
-        family = resolve_family(device or recipe.hardware.device)
-    except ValueError as err:
-        fail(str(err).replace("hardware.device:", "--device:" if device else "hardware.device:", 1))
-    from tuner.config import infeasible_reasons
-    from tuner.estimate import budget_bytes, estimate, predicts_oom
-    from tuner.result import TrialSpec
-
-    info = describe(family)
-    reasons = infeasible_reasons(config, recipe, info)
-    if reasons:
-        fail("this config cannot run:\n  - " + "\n  - ".join(reasons))
-
-    est = estimate(recipe, config, info)
-    budget = budget_bytes(recipe, info)
-    if predicts_oom(est, budget):
-        err_console.print(
-            f"[yellow]warning:[/] the estimator predicts {est.peak_mem_bytes / 2**30:.2f} GiB per device, "
-            f"over the budget of {budget / 2**30:.2f} GiB; running anyway"
-        )
-    from tuner.settings import runs_dir
-
-    workdir = workdir or runs_dir() / "measure" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    spec = TrialSpec(
-        recipe=recipe.to_dict(),
-        config=config.to_dict(),
-        family=family,
-        workdir=str(workdir),
-        timeout_s=timeout_s or recipe.measure.timeout_s,
-        profile=profile is not None,
-        estimated_peak_mem_bytes=est.peak_mem_bytes,
-        memory_budget_bytes=budget,
-        seed=recipe.search.seed,
-        tag="measure",
-    )
+    spec, est = _trial_spec(recipe, config, device, workdir, timeout_s, profile is not None)
     result = _run_with_progress(spec, config)
     result.extra["config"] = config.active_params()
     result.extra["estimate_gib"] = est.breakdown()
@@ -138,6 +102,47 @@ def measure(
             _print_profile(copied)
     if profile is not None and not copied and result.status == "ok":
         err_console.print(f"[yellow]warning:[/] the trial wrote no profile under {spec.workdir}/profile")
+
+
+def _trial_spec(
+    recipe, config, device: str | None, workdir: Path | None, timeout_s: float | None, profile: bool
+):
+    """The trial to run, once the config is known to be feasible here; (spec, memory estimate)."""
+    from tuner.config import infeasible_reasons
+    from tuner.devices import describe, resolve_family
+    from tuner.estimate import budget_bytes, estimate, predicts_oom
+    from tuner.result import TrialSpec
+    from tuner.settings import runs_dir
+
+    try:
+        family = resolve_family(device or recipe.hardware.device)
+    except ValueError as err:
+        fail(str(err).replace("hardware.device:", "--device:" if device else "hardware.device:", 1))
+    info = describe(family)
+    reasons = infeasible_reasons(config, recipe, info)
+    if reasons:
+        fail("this config cannot run:\n  - " + "\n  - ".join(reasons))
+    est = estimate(recipe, config, info)
+    budget = budget_bytes(recipe, info)
+    if predicts_oom(est, budget):
+        err_console.print(
+            f"[yellow]warning:[/] the estimator predicts {est.peak_mem_bytes / 2**30:.2f} GiB per device, "
+            f"over the budget of {budget / 2**30:.2f} GiB; running anyway"
+        )
+    workdir = workdir or runs_dir() / "measure" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    spec = TrialSpec(
+        recipe=recipe.to_dict(),
+        config=config.to_dict(),
+        family=family,
+        workdir=str(workdir),
+        timeout_s=timeout_s or recipe.measure.timeout_s,
+        profile=profile,
+        estimated_peak_mem_bytes=est.peak_mem_bytes,
+        memory_budget_bytes=budget,
+        seed=recipe.search.seed,
+        tag="measure",
+    )
+    return spec, est
 
 
 def default_config(devices: int, params: dict[str, Any]):
@@ -222,7 +227,9 @@ def _print_result(result, spec, config) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    style = "green" if result.status == "ok" else "red"
+    from tuner.record.status import OK
+
+    style = "green" if result.status == OK else "red"
     table = Table(title=f"trial: [{style}]{result.status}[/]", show_header=False, title_justify="left")
     table.add_column("key", style="bold")
     table.add_column("value")

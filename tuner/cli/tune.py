@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+from tuner.recipe import SAMPLERS
+
+if TYPE_CHECKING:
+    from tuner.summary import StudySummary
 
 from tuner.cli.common import (
     LEGACY_TIMEOUT,
@@ -15,8 +20,6 @@ from tuner.cli.common import (
     refuse_renamed_timeout,
     storage_or_exit,
 )
-
-SAMPLERS = ("tpe", "gp", "cmaes", "random", "grid")
 
 TUNE_HELP = """Search RECIPE's knob space on this machine's devices and report the fastest config.
 
@@ -249,62 +252,74 @@ def _fmt(value: Any, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
-def _report(summary: Any, as_json: bool, top: int) -> None:
-    from tuner.units import human_duration
-
+def _report(summary: StudySummary, as_json: bool, top: int) -> None:
     if as_json:
         typer.echo(json.dumps(summary.to_dict(), indent=1, default=str))
         return
     from rich.console import Console
-    from rich.table import Table
 
     out = Console()
     out.print(f"[bold]study[/] {summary.study_name}  [dim]({summary.storage_url})[/]")
     counts = ", ".join(f"{n} {k}" for k, n in sorted(summary.counts.items()))
     out.print(f"trials: {summary.n_trials} ({counts or 'none'})")
-    best = summary.best
-    if best is None:
+    if summary.best is None:
         out.print(
             "[red]no config finished ok[/]; see the counts above and the trials' errors in the database"
         )
         return
-    m = best["metrics"]
-    table = Table(title=f"best config (trial {best['trial']})", show_header=True)
+    _print_best(out, summary)
+    _print_top(out, summary, top)
+    _print_cost(out, summary)
+
+
+def _print_best(out: Any, summary: StudySummary) -> None:
+    from rich.table import Table
+
+    best = summary.best
+    table = Table(title=f"best config (trial {best.trial})", show_header=True)
     table.add_column("knob")
     table.add_column("value")
-    for k, v in best["config"].items():
+    for k, v in best.config.items():
         table.add_row(k, str(v))
     out.print(table)
-    gib = 2**30
+    m, again = best.metrics, best.remeasured_tokens_per_s
     peak = m.get("peak_mem_reserved_bytes")
-    again = best["remeasured_tokens_per_s"]
     out.print(
-        f"tokens/s [bold green]{best['tokens_per_s']:,.0f}[/]"
+        f"tokens/s [bold green]{best.tokens_per_s:,.0f}[/]"
         + (f" (median of {1 + len(again)} runs)" if again else "")
         + f", step {_fmt(m.get('step_time_s'), ' s')}, MFU {_fmt(m.get('mfu'))}, "
-        f"peak memory {_fmt(peak / gib if peak else None, ' GiB')}"
+        f"peak memory {_fmt(peak / 2**30 if peak else None, ' GiB')}"
     )
     if summary.speedup is not None:
+        base = summary.baseline
         out.print(
-            f"speedup over the baseline (trial {summary.baseline['trial']}, "
-            f"{summary.baseline['tokens_per_s']:,.0f} tokens/s): [bold]{summary.speedup:.2f}x[/]"
+            f"speedup over the baseline (trial {base.trial}, {base.tokens_per_s:,.0f} tokens/s): "
+            f"[bold]{summary.speedup:.2f}x[/]"
         )
     if summary.tie:
         ru = summary.runner_up
         out.print(
-            f"[yellow]tie[/]: trial {ru['trial']} ({ru['tokens_per_s']:,.0f} tokens/s) is within the "
-            f"measurement noise of the best; either is fine: {short_config(ru['config'])}"
+            f"[yellow]tie[/]: trial {ru.trial} ({ru.tokens_per_s:,.0f} tokens/s) is within the "
+            f"measurement noise of the best; either is fine: {short_config(ru.config)}"
         )
+
+
+def _print_top(out: Any, summary: StudySummary, top: int) -> None:
+    from rich.table import Table
+
     tops = Table(title=f"top {min(top, len(summary.top_k))} configs")
     for col in ("trial", "tokens/s", "noise", "config"):
         tops.add_column(col)
     for e in summary.top_k[:top]:
-        tops.add_row(
-            str(e["trial"]), f"{e['tokens_per_s']:,.0f}", f"{e['noise']:.1%}", short_config(e["config"])
-        )
+        tops.add_row(str(e.trial), f"{e.tokens_per_s:,.0f}", f"{e.noise:.1%}", short_config(e.config))
     out.print(tops)
     for e in summary.flagged:
-        out.print(f"[yellow]excluded[/] trial {e['trial']}: {e['flag']}")
+        out.print(f"[yellow]excluded[/] trial {e.trial}: {e.flag}")
+
+
+def _print_cost(out: Any, summary: StudySummary) -> None:
+    from tuner.units import human_duration
+
     spent = summary.device_seconds
     by_status = ", ".join(f"{k} {human_duration(v)}" for k, v in spent.items() if k != "total")
     out.print(f"search cost: {human_duration(spent.get('total', 0))} of device time ({by_status or 'none'})")

@@ -1,22 +1,17 @@
-"""Runs trials on this machine: each trial's ranks in a process session of their own, then classifies
-how the trial ended. `run_trial` is also what the Ray executor calls on a remote node.
+"""Runs trials on this machine: `run_trial` runs one trial's ranks in a process session of their own
+(through `tuner.executors.launcher`) and classifies how it ended; `LocalExecutor` keeps several in
+flight without sharing a device. `run_trial` is also what the Ray executor calls on a remote node.
 
-Layout of one trial: the caller starts a small launcher (`python -m tuner.executors.local`, no torch
-import) in a NEW session; the launcher starts every rank of `python -m tuner.workload SPEC.json` with
-torchrun's environment variables, writes their output with rank prefixes to `trial.log`, kills the
-group when a rank fails, and records each rank's exit in `exits.json`. Skipping torchrun's elastic
-agent saves one torch import per trial. The caller owns the deadline and kills the whole session.
+The caller owns the deadline and kills the whole session. Skipping torchrun's elastic agent saves
+one torch import per trial; the ranks see torchrun's environment all the same.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import queue
-import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -25,17 +20,13 @@ import time
 from pathlib import Path
 
 from tuner.executors.base import Executor
+from tuner.executors.launcher import FAIL_GRACE_S  # noqa: F401 - the grace a failing trial gets, for callers
+from tuner.executors.outcome import LOG_TAIL_LINES, classify, read_json, tail
+from tuner.executors.session import TERM_GRACE_S, kill_session, session_pids  # noqa: F401
+from tuner.record.status import ERROR
 from tuner.result import TrialResult, TrialSpec
 
-# After the first rank fails, the others get this long to fail on their own (and write their error
-# json) before they are terminated: a rank blocked in a collective with a dead peer may never return.
-FAIL_GRACE_S = 2.0
-# SIGTERM, then this long, then SIGKILL.
-TERM_GRACE_S = 3.0
-LOG_TAIL_LINES = 40
 PORT_RETRIES = 1
-_OOM_TEXTS = ("CUDA out of memory", "NPU out of memory", "OutOfMemoryError", "out of memory")
-_PR_SET_PDEATHSIG = 1
 # What each rank runs (`python -m <module> SPEC.json`); tests swap in a stand-in rank.
 RANK_MODULE = "tuner.workload"
 
@@ -61,7 +52,7 @@ def run_trial(
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec.to_dict(), indent=1))
-    cmd = [sys.executable, "-m", "tuner.executors.local", str(spec_path), str(_world_size(spec))]
+    cmd = [sys.executable, "-m", "tuner.executors.launcher", str(spec_path), str(_world_size(spec))]
     cmd.append(module or RANK_MODULE)
     if cpus:
         cmd += ["--cpus", ",".join(str(c) for c in cpus)]
@@ -76,7 +67,7 @@ def run_trial(
         # The rendezvous port is free when the launcher picks it but only bound seconds later,
         # once rank 0 has imported torch; another process may take it in between.
         clash = "address already in use" in f"{result.error} {result.log_tail}".lower()
-        if not (result.status == "error" and clash) or attempt == PORT_RETRIES:
+        if not (result.status == ERROR and clash) or attempt == PORT_RETRIES:
             break
     if attempt:
         result.extra["port_retries"] = attempt
@@ -103,11 +94,9 @@ def _run_once(
                 start_new_session=True,
             )
     except OSError as err:
-        return TrialResult(
-            status="error", error_kind="launch", error=f"cannot start the trial launcher: {err}"
-        )
+        return TrialResult(status=ERROR, error_kind="launch", error=f"cannot start the trial launcher: {err}")
     ended = _supervise(launcher, deadline, stop)
-    result = _classify(spec, workdir, launcher.returncode, ended)
+    result = classify(spec, workdir, launcher.returncode, ended)
     result.extra["session"] = launcher.pid  # the trial's session id (its launcher leads it)
     timeline = _timeline(workdir, started_at)
     if timeline:
@@ -121,7 +110,7 @@ def _timeline(workdir: Path, started_at: float) -> dict[str, float]:
     """Seconds from launch to rank 0's first output line (it prints once its training is built:
     imports, process group and model) and to the last rank's exit, and the CPU seconds all ranks
     had used at those points. Where per-trial overhead goes."""
-    exits = _read_json(workdir / "exits.json") or {}
+    exits = read_json(workdir / "exits.json") or {}
     out = {}
     first = exits.get("first_output", {}).get("0")
     if first:
@@ -165,169 +154,6 @@ def _supervise(launcher: subprocess.Popen, deadline: float, stop: threading.Even
             break
     kill_session(launcher.pid, launcher)
     return ended
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes whose session id is `sid`, from /proc."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command: state ppid pgrp session ...
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            pids.append(int(entry))
-    return pids
-
-
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def kill_session(sid: int, leader: subprocess.Popen | None = None) -> None:
-    """Terminate every process of session `sid`: SIGTERM, a grace period, then SIGKILL.
-
-    The ranks are killed before the launcher, so the launcher (their parent) reaps them instead of
-    leaving zombies for init.
-    """
-    others = [p for p in session_pids(sid) if p != sid]
-    if not others and (leader is None or leader.poll() is not None):
-        return
-    _signal_all(others, signal.SIGTERM)
-    end = time.monotonic() + TERM_GRACE_S
-    while time.monotonic() < end and [p for p in session_pids(sid) if p != sid]:
-        time.sleep(0.05)
-    _signal_all([p for p in session_pids(sid) if p != sid], signal.SIGKILL)
-    if leader is not None:
-        try:
-            leader.wait(timeout=TERM_GRACE_S)
-        except subprocess.TimeoutExpired:
-            leader.kill()
-            leader.wait()
-    _signal_all(session_pids(sid), signal.SIGKILL)
-
-
-# ---- classification ------------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def signal_name(returncode: int) -> str:
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
-def _classify(spec: TrialSpec, workdir: Path, launcher_rc: int | None, ended: str) -> TrialResult:
-    if ended == "timeout":
-        return TrialResult(
-            status="timeout",
-            error_kind="timeout",
-            error=f"trial ran past its timeout of {spec.timeout_s:g}s and was killed",
-        )
-    if ended == "cancelled":
-        return TrialResult(status="error", error_kind="cancelled", error="trial was cancelled")
-    exits = _read_json(workdir / "exits.json")
-    if exits is None:
-        launcher_log = tail(workdir / "launcher.log", 10)
-        return TrialResult(
-            status="error",
-            error_kind="launcher",
-            error=f"trial launcher exited with code {launcher_rc} before recording the ranks: {launcher_log}",
-        )
-    # Exit order matters: the first rank to fail is the cause, later ones usually lost a peer.
-    order = [(int(e["rank"]), int(e["returncode"])) for e in exits["exits"]]
-    failed = [(r, rc) for r, rc in order if rc != 0]
-    errors = {r: _read_json(workdir / f"rank{r}.error.json") for r, _ in failed}
-    if not failed:
-        data = _read_json(workdir / "result.json")
-        if data is None:
-            return TrialResult(
-                status="error",
-                error_kind="no_result",
-                error="all ranks exited 0 but rank 0 wrote no result.json",
-            )
-        result = TrialResult.from_dict(data)
-        return _check_budget(spec, result)
-    # An out-of-memory on any rank is never a consequence of another rank failing.
-    for r, _ in failed:
-        err = errors[r]
-        if err and err.get("status") == "oom":
-            return _failed_result("oom", r, err)
-    rank, rc = failed[0]
-    err = errors.get(rank)
-    if err:
-        return _failed_result(err.get("status", "error"), rank, err)
-    if rc < 0:
-        name = signal_name(rc)
-        # Nothing here sends SIGKILL before a failure or the deadline; the kernel's OOM killer does.
-        hint = " (often the kernel's out-of-memory killer; check `dmesg`)" if name == "SIGKILL" else ""
-        return TrialResult(status="error", error_kind=name, error=f"rank {rank} was killed by {name}{hint}")
-    log_tail = tail(workdir / "trial.log", LOG_TAIL_LINES)
-    if any(t in log_tail for t in _OOM_TEXTS):
-        return TrialResult(status="oom", error_kind="oom", error=f"rank {rank}: {_last_error_line(log_tail)}")
-    return TrialResult(
-        status="error",
-        error_kind="exit_code",
-        error=f"rank {rank} exited with code {rc}: {_last_error_line(log_tail)}",
-    )
-
-
-def _failed_result(status: str, rank: int, err: dict) -> TrialResult:
-    status = status if status in ("oom", "error") else "error"
-    return TrialResult(
-        status=status,
-        error_kind=err.get("error_kind") or status,
-        error=f"rank {rank}: {err.get('error') or 'failed without a message'}",
-        extra={"traceback": err.get("traceback")} if err.get("traceback") else {},
-    )
-
-
-def _check_budget(spec: TrialSpec, result: TrialResult) -> TrialResult:
-    budget = spec.memory_budget_bytes
-    peak = result.peak_mem_reserved_bytes or result.peak_mem_allocated_bytes
-    if result.status == "ok" and budget and peak and peak > budget:
-        result.status = "oom"
-        result.error_kind = "budget"
-        result.error = (
-            f"measured peak memory {peak / 2**30:.2f} GiB exceeds the memory budget {budget / 2**30:.2f} GiB"
-        )
-    return result
-
-
-def _last_error_line(text: str) -> str:
-    lines = [ln.split("] ", 1)[-1].strip() for ln in text.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error" in line or "Exception" in line:
-            return line[:500]
-    return lines[-1][:500] if lines else "no output"
-
-
-def tail(path: Path, lines: int) -> str:
-    """The last `lines` lines of a text file ("" when it does not exist)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 256 * lines))
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(data.splitlines()[-lines:])
-
-
-# ---- the executor ---------------------------------------------------------------------------------
 
 
 class LocalExecutor(Executor):
@@ -396,7 +222,7 @@ class LocalExecutor(Executor):
         try:
             result = run_trial(spec, env=env, cpus=cpus, stop=stop)
         except Exception as err:  # noqa: BLE001 - a bug here must still come back as a result
-            result = TrialResult(status="error", error_kind=type(err).__name__, error=str(err), tag=spec.tag)
+            result = TrialResult(status=ERROR, error_kind=type(err).__name__, error=str(err), tag=spec.tag)
         with self._lock:  # with `running()` in one step, so `wait` never sees neither
             self._held.pop(spec.tag, None)
             if self._running.pop(spec.tag, None) is not None:
@@ -431,146 +257,3 @@ class LocalExecutor(Executor):
             thread.join()
         while not self._finished.empty():
             self._finished.get_nowait()
-
-
-# ---- the launcher: `python -m tuner.executors.local SPEC.json WORLD MODULE [--cpus 0,1]` -----------
-
-
-def _die_with_parent(sig: int) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
-    except (OSError, AttributeError):
-        pass
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a live process, from /proc (0 when it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _children_cpu_seconds() -> float:
-    import resource
-
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> int:
-    parent = os.getppid()
-    _die_with_parent(signal.SIGTERM)
-    if os.getppid() != parent:  # the caller died before prctl took effect
-        return 1
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    workdir = Path(spec_path).parent
-    port = _free_port()
-    procs: dict[int, subprocess.Popen] = {}
-    sel = selectors.DefaultSelector()
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONFAULTHANDLER": "1",
-        }
-        p = subprocess.Popen(
-            [sys.executable, "-m", module, spec_path],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            preexec_fn=lambda: _die_with_parent(signal.SIGKILL),  # single-threaded here: safe
-        )
-        procs[rank] = p
-        sel.register(p.stdout, selectors.EVENT_READ, rank)
-    exits: list[dict] = []
-    partial = dict.fromkeys(procs, b"")
-    first_failure: float | None = None
-    first_output: dict[int, float] = {}
-    cpu_at_ready = None
-    terminated_at: float | None = None
-    all_exited_at: float | None = None
-    with open(workdir / "trial.log", "ab") as log:
-        while len(exits) < world or sel.get_map():
-            # A rank's own children (loader workers) may hold its pipe open after it exited.
-            if all_exited_at is not None and time.monotonic() - all_exited_at > 1.0:
-                break
-            for key, _ in sel.select(timeout=0.1):
-                rank = key.data
-                chunk = os.read(key.fd, 65536)
-                if not chunk:
-                    sel.unregister(key.fileobj)
-                    chunk = b"\n" if partial[rank] else b""
-                *lines, partial[rank] = (partial[rank] + chunk).split(b"\n")
-                if lines and rank not in first_output:
-                    first_output[rank] = time.time()
-                    if rank == 0:
-                        cpu_at_ready = sum(_cpu_seconds(q.pid) for q in procs.values())
-                for line in lines:
-                    log.write(b"[rank%d] %s\n" % (rank, line))
-                log.flush()
-            for rank, p in procs.items():
-                if p.returncode is None and p.poll() is not None:
-                    exits.append({"rank": rank, "returncode": p.returncode, "t": time.time()})
-                    if p.returncode != 0 and first_failure is None:
-                        first_failure = time.monotonic()
-                    if len(exits) == world:
-                        all_exited_at = time.monotonic()
-            alive = [p for p in procs.values() if p.returncode is None]
-            now = time.monotonic()
-            give_up = first_failure is not None and now - first_failure > FAIL_GRACE_S
-            if alive and (stopping.is_set() or give_up):
-                if terminated_at is None:
-                    terminated_at = now
-                    for p in alive:
-                        p.terminate()
-                elif now - terminated_at > TERM_GRACE_S:
-                    for p in alive:
-                        p.kill()
-    record = {
-        "session": os.getsid(0),
-        "world_size": world,
-        "port": port,
-        "exits": exits,
-        "first_output": first_output,
-        # CPU seconds of all ranks, which unlike wall time do not depend on how busy the machine is.
-        "cpu_at_rank0_ready_s": cpu_at_ready,
-        "cpu_total_s": _children_cpu_seconds(),
-    }
-    (workdir / "exits.json").write_text(json.dumps(record))
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    cpus = None
-    if "--cpus" in argv:
-        i = argv.index("--cpus")
-        cpus = [int(c) for c in argv[i + 1].split(",")]
-        argv = argv[:i] + argv[i + 2 :]
-    spec_path, world, module = argv
-    return _launch(spec_path, int(world), module, cpus)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tuner.executors.base import Executor
+from tuner.record.status import ERROR, OOM
 from tuner.result import TrialResult, TrialSpec
 
 # cancel() first asks each task to stop its trial (run_trial's kill takes at most ~2 * 3 s), then
@@ -180,7 +181,7 @@ def _wait_despite_interrupts(done: threading.Event) -> None:
 
 
 def _error(spec: TrialSpec, kind: str, message: str, where: dict[str, Any] | None = None) -> TrialResult:
-    return TrialResult(status="error", error_kind=kind, error=message, tag=spec.tag, extra=dict(where or {}))
+    return TrialResult(status=ERROR, error_kind=kind, error=message, tag=spec.tag, extra=dict(where or {}))
 
 
 # ---- the driver side ------------------------------------------------------------------------------
@@ -332,7 +333,7 @@ class RayExecutor(Executor):
             result = _error(
                 trial.spec, "worker_died", f"Ray killed the worker: {_first_lines(err)}", trial.where
             )
-            result.status = "oom"
+            result.status = OOM
             return result
         except RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else err

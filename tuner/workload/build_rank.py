@@ -179,6 +179,7 @@ def warm(spec: Any, env: Any) -> Any:
     """Unpack the cold phase's kernels, load its cache for this rank, then compile and time it again."""
     import torch
 
+    from tuner.record.status import OK
     from tuner.result import TrialResult
     from tuner.workload.train import Training
 
@@ -209,7 +210,7 @@ def warm(spec: Any, env: Any) -> Any:
         return None
     median = statistics.median(rest)
     return TrialResult(
-        status="ok",
+        status=OK,
         step_time_s=median,
         step_times=rest,
         tag=spec.tag,

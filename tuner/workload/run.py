@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tuner.devices import describe, is_oom, peak_memory, peak_tflops, reset_peak_memory, synchronize
+from tuner.record.status import ERROR, OK, OOM
 from tuner.result import TrialResult, TrialSpec
 from tuner.workload.flops import flops_per_step
 from tuner.workload.parallel import RankEnv, set_rank_threads
@@ -163,7 +164,7 @@ def _result(train: Training, spec: TrialSpec, times, losses, alloc, reserved, re
     tflops = flops_per_step(recipe) / median / world / 1e12
     gbs = recipe.train.global_batch_size
     return TrialResult(
-        status="ok",
+        status=OK,
         step_time_s=median,
         step_time_spread=(max(times) - min(times)) / median,
         tokens_per_s=gbs * recipe.model.seq_len / median,
@@ -195,7 +196,7 @@ def error_record(exc: BaseException) -> dict[str, Any]:
     budget = isinstance(exc, BudgetExceeded)
     message = " ".join(str(exc).split()) or type(exc).__name__
     return {
-        "status": "oom" if budget or is_oom(exc) else "error",
+        "status": OOM if budget or is_oom(exc) else ERROR,
         "error_kind": "budget" if budget else type(exc).__name__,
         "error": message[:2000],
         "traceback": "".join(traceback.format_exception(exc)),

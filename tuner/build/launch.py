@@ -1,0 +1,41 @@
+"""The build's `launch.sh`: the torchrun command that reproduces the measured run, with the
+environment that changed its speed and, for a compiled config, the build's compiler output."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+
+from tuner.build.base import KERNELS_TAR
+
+# Environment of the measured run that changes its speed; launch.sh exports what is set here.
+_LAUNCH_ENV = re.compile(
+    r"^(OMP_NUM_THREADS|MKL_NUM_THREADS|CUDA_VISIBLE_DEVICES|ASCEND_RT_VISIBLE_DEVICES|"
+    r"PYTORCH_CUDA_ALLOC_CONF|PYTORCH_NPU_ALLOC_CONF|NCCL_\w+|TORCH_NCCL_\w+|HCCL_\w+|GLOO_\w+)$"
+)
+
+
+def launch_script(
+    trial: int, study: str, world: int, tokens: float | None, device: str, compiled: bool = False
+) -> str:
+    env = {k: v for k, v in sorted(os.environ.items()) if _LAUNCH_ENV.match(k)}
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) or "# (none set)\n"
+    if compiled:
+        exports += f"""# The build's compiler output, so a compile starts warm: compiled CPU kernels (machine-specific:
+# they load only with the CPU, compiler and torch of the build) and the portable compile cache.
+if [ -f {KERNELS_TAR} ]; then mkdir -p run/inductor && tar -xf {KERNELS_TAR} -C run/inductor; fi
+export TORCHINDUCTOR_CACHE_DIR="$PWD/run/inductor"
+if [ -f compile-cache.bin ]; then export TUNER_COMPILE_CACHE="$PWD/compile-cache.bin"; fi
+"""
+    measured = f"{tokens:,.0f} tokens/s" if tokens else "its throughput"
+    return f"""#!/usr/bin/env bash
+# Reproduces trial {trial} of study {study}: the measured config ({measured} on {device}).
+# Runs {world} rank(s) of `python -m tuner.workload spec.json` under torchrun; rank 0 prints the
+# result and writes it to run/result.json. Needs this project installed (`pip install training-tuner`).
+set -euo pipefail
+cd "$(dirname "${{BASH_SOURCE[0]}}")"
+# Environment of the measured run:
+{exports}if command -v torchrun >/dev/null 2>&1; then run=(torchrun); else run=("${{PYTHON:-python3}}" -m torch.distributed.run); fi
+"${{run[@]}}" --standalone --nproc-per-node {world} -m tuner.workload spec.json
+"""

@@ -1,0 +1,256 @@
+"""`build_trial`: compile a trial's config cold and then warm (from the cold run's caches), stage what
+the compiler made with a profile, the spec and `launch.sh`, and store the lot as one checked archive
+registered in the builds table."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tuner.artifacts import ArtifactStore, write_manifest
+from tuner.build.base import KERNELS_TAR, BuildError, BuildRecord
+from tuner.build.kernels import collect_compiled, pack_compiled_kernels
+from tuner.build.launch import launch_script
+from tuner.build.phases import run_phase
+from tuner.build.register import register
+from tuner.build.report import cache_misses, summary_lines
+from tuner.build.select import build_plan, load_trial
+from tuner.config import Config
+from tuner.recipe import Recipe
+from tuner.record import keys
+from tuner.result import TrialResult, TrialSpec
+
+Progress = Callable[[int, int, str], None]
+STEPS = 5
+
+
+@dataclass
+class _Plan:
+    """The trial being built and where its build is made."""
+
+    recipe: Recipe
+    family: str
+    study: str
+    number: int
+    config: Config  # what was measured
+    built: Config  # what is compiled (compile=default for an eager winner)
+    no_kernels: str | None  # why nothing is compiled, when nothing is
+    measured: dict[str, Any]
+    work: Path
+    spec: TrialSpec
+    deadline: float
+
+    @property
+    def compiled(self) -> bool:
+        return self.built.compile != "none"
+
+
+@dataclass
+class _Phases:
+    cold: TrialResult
+    warm: dict[str, Any] | None = None  # the warm phase's build report
+    warm_note: str | None = None  # why the warm compile was not measured
+    shared_objects: int = 0  # compiled CPU kernels packed for the warm start
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.cold.extra["build"]
+
+
+def _plan(
+    recipe: Recipe,
+    study_name: str | None,
+    trial_number: int | None,
+    url: str,
+    store: ArtifactStore,
+    timeout_s: float,
+) -> _Plan:
+    from tuner.devices import resolve_family
+
+    family = resolve_family(recipe.hardware.device)
+    study, number, config, measured = load_trial(recipe, family, study_name, trial_number, url)
+    built, no_kernels = build_plan(config, recipe, family)
+    store.root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".work-{study[:40]}-{number}-", dir=store.root))
+    spec = TrialSpec(
+        recipe=recipe.to_dict(), config=built.to_dict(), family=family, workdir=str(work / "cold"),
+        timeout_s=timeout_s, seed=0, tag=f"build-{number}",
+    )  # fmt: skip
+    return _Plan(
+        recipe,
+        family,
+        study,
+        number,
+        config,
+        built,
+        no_kernels,
+        measured,
+        work,
+        spec,
+        time.monotonic() + timeout_s,
+    )
+
+
+def _compile(p: _Plan, say: Progress) -> _Phases:
+    what = (
+        f"compiling (compile={p.built.compile}) cold, then measuring it and eager"
+        if p.compiled
+        else "measuring and profiling (no compile)"
+    )
+    say(1, STEPS, what)
+    phases = _Phases(run_phase(p.spec, {"TUNER_BUILD_PHASE": "cold"}, p.deadline, "cold build phase"))
+    if not p.compiled:
+        return phases
+    say(2, STEPS, f"compiling again in a fresh process from compile-cache.bin and {KERNELS_TAR} (warm)")
+    cold = p.work / "cold"
+    inductor = [cold / "inductor" / f"rank{r}" for r in range(p.config.world_size)]
+    phases.shared_objects = pack_compiled_kernels(inductor, cold / KERNELS_TAR)
+    env = {"TUNER_BUILD_PHASE": "warm", "TUNER_BUILD_CACHE": str(cold / "cache")}
+    if phases.shared_objects:
+        env["TUNER_BUILD_KERNELS"] = str(cold / KERNELS_TAR)
+    warm_spec = dataclasses.replace(p.spec, workdir=str(p.work / "warm"))
+    try:
+        phases.warm = run_phase(warm_spec, env, p.deadline, "warm build phase").extra["build"]
+    except BuildError as err:
+        phases.warm_note = f"warm compile not measured: {err}"
+    return phases
+
+
+def _record(p: _Plan, ph: _Phases) -> BuildRecord:
+    info, warm = ph.info, ph.warm or {}
+    return BuildRecord(
+        path="", sha256="", size_bytes=0, study_name=p.study, trial_number=p.number,
+        compiled_tokens_per_s=ph.cold.tokens_per_s if p.compiled else None,
+        eager_tokens_per_s=info["eager"]["tokens_per_s"],
+        compile_cold_s=info.get("compile_s"), compile_warm_s=warm.get("compile_s"), config=p.built.active_params(),
+        compile_cold_cpu_s=(info.get("compile_cpu") or {}).get("in_process_s"),
+        compile_warm_cpu_s=(warm.get("compile_cpu") or {}).get("in_process_s"),
+    )  # fmt: skip
+
+
+def _summary(p: _Plan, ph: _Phases, record: BuildRecord, index: list[dict[str, Any]]) -> list[str]:
+    info = ph.info
+    cxx = None
+    if info.get("compile_cpu") and ph.warm and p.family == "cpu":
+        cxx = (
+            info["compile_cpu"]["compiler_children_s"],
+            ph.warm["compile_cpu"]["compiler_children_s"],
+            ph.shared_objects,
+        )
+    mode = p.built.compile if p.compiled else None
+    lines = summary_lines(record, p.measured, mode, index, ph.warm_note or p.no_kernels, cxx)
+    missed = cache_misses(ph.warm)
+    if missed:
+        lines.append(
+            f"warning: the warm compile missed compile-cache.bin on rank(s) {', '.join(map(str, missed))}, "
+            "so its time is a recompile (Inductor's FX graph cache key did not match)"
+        )
+    return lines
+
+
+def _stage(p: _Plan, ph: _Phases) -> tuple[Path, BuildRecord]:
+    """The build's directory: kernels and caches, profile, spec and launch.sh, logs, config.json."""
+    from tuner.devices import describe
+
+    stage = p.work / "stage"
+    stage.mkdir()
+    record = _record(p, ph)
+    index, caches = collect_compiled(p.work / "cold", stage, p.config.world_size) if p.compiled else ([], {})
+    record.kernels = len(index)
+    shutil.copytree(p.work / "cold" / "profile", stage / "profile")
+    launch_spec = dataclasses.replace(
+        p.spec,
+        config=p.config.to_dict(),
+        workdir="run",
+        tag=f"launch-{p.number}",
+        timeout_s=p.recipe.measure.timeout_s,
+    )
+    (stage / "spec.json").write_text(json.dumps(launch_spec.to_dict(), indent=1))
+    launch = stage / "launch.sh"
+    tokens = p.measured.get(keys.TOKENS_PER_S)
+    launch.write_text(
+        launch_script(p.number, p.study, p.config.world_size, tokens, describe(p.family).name, bool(caches))
+    )
+    launch.chmod(0o755)
+    (stage / "logs").mkdir()
+    for phase in ("cold", "warm"):
+        if (p.work / phase / "trial.log").is_file():
+            shutil.copy(p.work / phase / "trial.log", stage / "logs" / f"{phase}.log")
+    record.summary = _summary(p, ph, record, index)
+    _write_config(stage, p, ph, record, caches)
+    return stage, record
+
+
+def _write_config(stage: Path, p: _Plan, ph: _Phases, record: BuildRecord, caches: dict[str, str]) -> None:
+    from tuner.devices import describe
+    from tuner.fingerprint import fingerprint
+
+    info, warm = ph.info, ph.warm
+    build = {
+        "compiled_tokens_per_s": record.compiled_tokens_per_s,
+        "eager": info["eager"],
+        "compile_cold_s": record.compile_cold_s,
+        "compile_warm_s": record.compile_warm_s,
+        "compile_cpu": {"cold": info.get("compile_cpu"), "warm": (warm or {}).get("compile_cpu")},
+        "warm": warm,
+        "compile_cache": caches,
+        "compiled_kernels": {"file": KERNELS_TAR, "shared_objects": ph.shared_objects}
+        if ph.shared_objects
+        else None,
+        "kernels_not_produced": p.no_kernels,
+        "breakdown": ph.cold.breakdown,
+        "summary": record.summary,
+    }
+    config = {
+        "study": p.study, "trial": p.number, "config": p.config.to_dict(), "built_config": p.built.to_dict(),
+        "recipe": p.recipe.to_dict(), "measured": p.measured, "build": build,
+    }  # fmt: skip
+    (stage / "config.json").write_text(json.dumps(config, indent=1))
+    created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    write_manifest(
+        stage,
+        {"format": 1, "study": p.study, "trial": p.number, "created": created,
+         "fingerprint": fingerprint(p.family), "device": describe(p.family).to_dict()},
+    )  # fmt: skip
+
+
+def build_trial(
+    recipe: Recipe,
+    *,
+    study_name: str | None = None,
+    trial_number: int | None = None,
+    storage_url: str | None = None,
+    store: ArtifactStore | None = None,
+    timeout_s: float = 900,
+    progress: Progress | None = None,
+) -> BuildRecord:
+    """Build the study's best trial (or `trial_number`) of `recipe` into the artifact store."""
+    from tuner.storage import default_storage_url
+
+    url = storage_url or default_storage_url()
+    store = store or ArtifactStore()
+    say = progress or (lambda step, total, message: None)
+    say(0, STEPS, "reading the trial from the study")
+    plan = _plan(recipe, study_name, trial_number, url, store, timeout_s)
+    phases = _compile(plan, say)
+    say(3, STEPS, "collecting kernels, cache, profile and manifest")
+    stage, record = _stage(plan, phases)
+    say(4, STEPS, "archiving and registering the build")
+    path, digest, size = store.put(plan.study, plan.number, stage)
+    record.path, record.sha256, record.size_bytes = str(path.resolve()), digest, size
+    record.summary.append(f"archive: {path} ({size / 2**20:.1f} MiB, sha256 {digest[:12]})")
+    try:
+        record.build_id = register(url, record)
+    except Exception as err:  # noqa: BLE001 - the archive is good; say why it is not listed
+        record.summary.append(f"not registered in the builds table: {err}")
+    shutil.rmtree(plan.work, ignore_errors=True)
+    say(5, STEPS, "done")
+    return record

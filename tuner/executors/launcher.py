@@ -1,0 +1,184 @@
+"""The launcher of one trial, `python -m tuner.executors.launcher SPEC.json WORLD MODULE [--cpus 0,1]`:
+started by `run_trial` in a new session, it starts every rank of `python -m MODULE SPEC.json` with
+torchrun's environment variables, writes their output with rank prefixes to `trial.log`, ends the
+group when a rank fails, and records each rank's exit in `exits.json`. It imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tuner.executors.session import TERM_GRACE_S, die_with_parent
+
+# After the first rank fails, the others get this long to fail on their own (and write their error
+# json) before they are terminated: a rank blocked in a collective with a dead peer may never return.
+FAIL_GRACE_S = 2.0
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process, from /proc (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_seconds() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's environment for one rank of a single-host trial."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
+
+
+class RankGroup:
+    """The ranks of one trial: their output pumped into trial.log with rank prefixes, their exits
+    recorded in order, and the rest ended once one fails (after FAIL_GRACE_S) or on SIGTERM."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen], workdir: Path, stopping: threading.Event):
+        self.procs = procs
+        self.workdir = workdir
+        self.stopping = stopping
+        self.sel = selectors.DefaultSelector()
+        for rank, p in procs.items():
+            self.sel.register(p.stdout, selectors.EVENT_READ, rank)
+        self.partial = dict.fromkeys(procs, b"")
+        self.exits: list[dict] = []
+        self.first_output: dict[int, float] = {}
+        self.cpu_at_ready: float | None = None
+        self.first_failure: float | None = None
+        self.terminated_at: float | None = None
+        self.all_exited_at: float | None = None
+
+    def run(self) -> None:
+        with open(self.workdir / "trial.log", "ab") as log:
+            while len(self.exits) < len(self.procs) or self.sel.get_map():
+                # A rank's own children (loader workers) may hold its pipe open after it exited.
+                if self.all_exited_at is not None and time.monotonic() - self.all_exited_at > 1.0:
+                    break
+                self._pump(log)
+                self._reap()
+                self._end_the_rest()
+
+    def _pump(self, log) -> None:
+        for key, _ in self.sel.select(timeout=0.1):
+            rank = key.data
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                self.sel.unregister(key.fileobj)
+                chunk = b"\n" if self.partial[rank] else b""
+            *lines, self.partial[rank] = (self.partial[rank] + chunk).split(b"\n")
+            if lines and rank not in self.first_output:
+                self.first_output[rank] = time.time()
+                if rank == 0:
+                    self.cpu_at_ready = sum(_cpu_seconds(q.pid) for q in self.procs.values())
+            for line in lines:
+                log.write(b"[rank%d] %s\n" % (rank, line))
+            log.flush()
+
+    def _reap(self) -> None:
+        for rank, p in self.procs.items():
+            if p.returncode is None and p.poll() is not None:
+                self.exits.append({"rank": rank, "returncode": p.returncode, "t": time.time()})
+                if p.returncode != 0 and self.first_failure is None:
+                    self.first_failure = time.monotonic()
+                if len(self.exits) == len(self.procs):
+                    self.all_exited_at = time.monotonic()
+
+    def _end_the_rest(self) -> None:
+        alive = [p for p in self.procs.values() if p.returncode is None]
+        now = time.monotonic()
+        give_up = self.first_failure is not None and now - self.first_failure > FAIL_GRACE_S
+        if not alive or not (self.stopping.is_set() or give_up):
+            return
+        if self.terminated_at is None:
+            self.terminated_at = now
+            for p in alive:
+                p.terminate()
+        elif now - self.terminated_at > TERM_GRACE_S:
+            for p in alive:
+                p.kill()
+
+    def record(self, port: int) -> dict:
+        return {
+            "session": os.getsid(0),
+            "world_size": len(self.procs),
+            "port": port,
+            "exits": self.exits,
+            "first_output": self.first_output,
+            # CPU seconds of all ranks, which unlike wall time do not depend on how busy the machine is.
+            "cpu_at_rank0_ready_s": self.cpu_at_ready,
+            "cpu_total_s": _children_cpu_seconds(),
+        }
+
+
+def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> int:
+    parent = os.getppid()
+    die_with_parent(signal.SIGTERM)
+    if os.getppid() != parent:  # the caller died before prctl took effect
+        return 1
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    workdir = Path(spec_path).parent
+    port = _free_port()
+    procs = {
+        rank: subprocess.Popen(
+            [sys.executable, "-m", module, spec_path],
+            env={**os.environ, **rank_env(rank, world, port)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: die_with_parent(signal.SIGKILL),  # single-threaded here: safe
+        )
+        for rank in range(world)
+    }
+    group = RankGroup(procs, workdir, stopping)
+    group.run()
+    (workdir / "exits.json").write_text(json.dumps(group.record(port)))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    cpus = None
+    if "--cpus" in argv:
+        i = argv.index("--cpus")
+        cpus = [int(c) for c in argv[i + 1].split(",")]
+        argv = argv[:i] + argv[i + 2 :]
+    spec_path, world, module = argv
+    return _launch(spec_path, int(world), module, cpus)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

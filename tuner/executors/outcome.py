@@ -1,0 +1,120 @@
+"""How a trial ended, from what its launcher and ranks left in the trial's directory: ok (rank 0's
+result.json), oom (a device OOM, or the memory budget exceeded), error (the first failing rank's
+error record, or the signal that killed it), timeout or cancelled. Never raises for a trial."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tuner.executors.session import signal_name
+from tuner.record.status import ERROR, OK, OOM, TIMEOUT
+from tuner.result import TrialResult, TrialSpec
+
+LOG_TAIL_LINES = 40
+_OOM_TEXTS = ("CUDA out of memory", "NPU out of memory", "OutOfMemoryError", "out of memory")
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def classify(spec: TrialSpec, workdir: Path, launcher_rc: int | None, ended: str) -> TrialResult:
+    if ended == "timeout":
+        return TrialResult(
+            status=TIMEOUT,
+            error_kind="timeout",
+            error=f"trial ran past its timeout of {spec.timeout_s:g}s and was killed",
+        )
+    if ended == "cancelled":
+        return TrialResult(status=ERROR, error_kind="cancelled", error="trial was cancelled")
+    exits = read_json(workdir / "exits.json")
+    if exits is None:
+        launcher_log = tail(workdir / "launcher.log", 10)
+        return TrialResult(
+            status=ERROR,
+            error_kind="launcher",
+            error=f"trial launcher exited with code {launcher_rc} before recording the ranks: {launcher_log}",
+        )
+    # Exit order matters: the first rank to fail is the cause, later ones usually lost a peer.
+    order = [(int(e["rank"]), int(e["returncode"])) for e in exits["exits"]]
+    failed = [(r, rc) for r, rc in order if rc != 0]
+    errors = {r: read_json(workdir / f"rank{r}.error.json") for r, _ in failed}
+    if not failed:
+        data = read_json(workdir / "result.json")
+        if data is None:
+            return TrialResult(
+                status=ERROR,
+                error_kind="no_result",
+                error="all ranks exited 0 but rank 0 wrote no result.json",
+            )
+        result = TrialResult.from_dict(data)
+        return _check_budget(spec, result)
+    # An out-of-memory on any rank is never a consequence of another rank failing.
+    for r, _ in failed:
+        err = errors[r]
+        if err and err.get("status") == OOM:
+            return _failed_result(OOM, r, err)
+    rank, rc = failed[0]
+    err = errors.get(rank)
+    if err:
+        return _failed_result(err.get("status", ERROR), rank, err)
+    if rc < 0:
+        name = signal_name(rc)
+        # Nothing here sends SIGKILL before a failure or the deadline; the kernel's OOM killer does.
+        hint = " (often the kernel's out-of-memory killer; check `dmesg`)" if name == "SIGKILL" else ""
+        return TrialResult(status=ERROR, error_kind=name, error=f"rank {rank} was killed by {name}{hint}")
+    log_tail = tail(workdir / "trial.log", LOG_TAIL_LINES)
+    if any(t in log_tail for t in _OOM_TEXTS):
+        return TrialResult(status=OOM, error_kind="oom", error=f"rank {rank}: {_last_error_line(log_tail)}")
+    return TrialResult(
+        status=ERROR,
+        error_kind="exit_code",
+        error=f"rank {rank} exited with code {rc}: {_last_error_line(log_tail)}",
+    )
+
+
+def _failed_result(status: str, rank: int, err: dict) -> TrialResult:
+    status = status if status in (OOM, ERROR) else ERROR
+    return TrialResult(
+        status=status,
+        error_kind=err.get("error_kind") or status,
+        error=f"rank {rank}: {err.get('error') or 'failed without a message'}",
+        extra={"traceback": err.get("traceback")} if err.get("traceback") else {},
+    )
+
+
+def _check_budget(spec: TrialSpec, result: TrialResult) -> TrialResult:
+    budget = spec.memory_budget_bytes
+    peak = result.peak_mem_reserved_bytes or result.peak_mem_allocated_bytes
+    if result.status == OK and budget and peak and peak > budget:
+        result.status = OOM
+        result.error_kind = "budget"
+        result.error = (
+            f"measured peak memory {peak / 2**30:.2f} GiB exceeds the memory budget {budget / 2**30:.2f} GiB"
+        )
+    return result
+
+
+def _last_error_line(text: str) -> str:
+    lines = [ln.split("] ", 1)[-1].strip() for ln in text.splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line or "Exception" in line:
+            return line[:500]
+    return lines[-1][:500] if lines else "no output"
+
+
+def tail(path: Path, lines: int) -> str:
+    """The last `lines` lines of a text file ("" when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 256 * lines))
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])

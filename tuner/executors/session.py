@@ -1,0 +1,78 @@
+"""A trial's processes are one session (the launcher leads it): finding what is alive in a session,
+and ending all of it, so a trial never leaves a process behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+# SIGTERM, then this long, then SIGKILL.
+TERM_GRACE_S = 3.0
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):
+        pass
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes whose session id is `sid`, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state ppid pgrp session ...
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            pids.append(int(entry))
+    return pids
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def kill_session(sid: int, leader: subprocess.Popen | None = None) -> None:
+    """Terminate every process of session `sid`: SIGTERM, a grace period, then SIGKILL.
+
+    The ranks are killed before the launcher, so the launcher (their parent) reaps them instead of
+    leaving zombies for init.
+    """
+    others = [p for p in session_pids(sid) if p != sid]
+    if not others and (leader is None or leader.poll() is not None):
+        return
+    _signal_all(others, signal.SIGTERM)
+    end = time.monotonic() + TERM_GRACE_S
+    while time.monotonic() < end and [p for p in session_pids(sid) if p != sid]:
+        time.sleep(0.05)
+    _signal_all([p for p in session_pids(sid) if p != sid], signal.SIGKILL)
+    if leader is not None:
+        try:
+            leader.wait(timeout=TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            leader.kill()
+            leader.wait()
+    _signal_all(session_pids(sid), signal.SIGKILL)
+
+
+def signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"

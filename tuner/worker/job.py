@@ -1,0 +1,269 @@
+"""One claimed job (`JobRun`): a heartbeat and cancel watch on a thread, the study and then the
+build of its winner on this one, progress and state changes recorded as job events."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
+
+from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, session_scope, utcnow
+from tuner.record.snapshot import snapshot_study
+from tuner.summary import StudySummary
+
+log = logging.getLogger("tuner.worker")
+
+
+@dataclass
+class BuildOutcome:
+    """The winner's build: where it is and the builds-table row, or why there is none."""
+
+    trial: int | None = None
+    path: str | None = None
+    sha256: str | None = None
+    size_bytes: int | None = None
+    build_id: int | None = None  # build_trial registers the row; the worker links it to the job
+    error: str | None = None
+
+
+@dataclass
+class Outcome:
+    """How a job ended: its final state (or `queued`: handed back; `lost`: taken over)."""
+
+    state: str
+    summary: StudySummary | None = None
+    error: str | None = None
+    build: BuildOutcome | None = None
+
+
+class JobRun:
+    """One claimed job of `worker` (a `tuner.worker.Worker`)."""
+
+    def __init__(self, worker: Any, job_id: int):
+        self.worker = worker
+        self.url = worker.settings.database_url
+        self.job_id = job_id
+        self.cancelled = threading.Event()
+        self.lost = threading.Event()  # another worker took the job over: stop without writing
+        self._done = threading.Event()
+
+    def should_stop(self) -> bool:
+        return self.cancelled.is_set() or self.lost.is_set() or self.worker.shutdown.is_set()
+
+    def _heartbeat(self) -> None:
+        stopped_trials = False
+        while not self._done.wait(self.worker.settings.heartbeat_s):
+            try:
+                with session_scope(self.url) as s:
+                    mine = (Job.id == self.job_id) & (Job.worker_id == self.worker.worker_id)
+                    hit = s.execute(
+                        update(Job).where(mine, Job.state == "running").values(updated_at=utcnow())
+                    )
+                    if hit.rowcount == 0:
+                        self.lost.set()
+                    elif s.scalar(select(Job.cancel_requested).where(Job.id == self.job_id)):
+                        self.cancelled.set()
+            except Exception as err:  # noqa: BLE001 - a missed beat is not fatal; the next may succeed
+                log.warning("job %s: heartbeat failed: %s", self.job_id, err)
+            if self.should_stop() and not stopped_trials:
+                # Stop the trials in flight now rather than after they finish on their own.
+                stopped_trials = True
+                self.worker.executor.cancel()
+
+    def _on_progress(self, event: dict[str, Any]) -> None:
+        kind = str(event.get("event", "progress"))
+        if kind == "done":
+            # The job's own `done` comes after the build; SSE clients stop at the first `done`.
+            kind = "study_done"
+        payload = {k: v for k, v in event.items() if k != "event"}
+        with session_scope(self.url) as s:
+            job = s.get(Job, self.job_id)
+            if job is None or job.worker_id != self.worker.worker_id:
+                self.lost.set()
+                return
+            if isinstance(event.get("done"), int):
+                job.trials_done = event["done"]
+            if isinstance(event.get("total"), int):
+                job.trials_total = event["total"]
+            if event.get("best_tokens_per_s") is not None:
+                job.best_tokens_per_s = float(event["best_tokens_per_s"])
+            job.updated_at = utcnow()
+            add_event(s, self.job_id, kind, jsonable(payload))
+
+    def run(self) -> str:
+        """Run the job to a final state (or back to queued when the worker shuts down)."""
+        beat = threading.Thread(target=self._heartbeat, name=f"job-{self.job_id}-heartbeat", daemon=True)
+        beat.start()
+        try:
+            outcome = self._run_study()
+        except Exception as err:  # noqa: BLE001 - a failing job is data; the worker keeps going
+            log.exception("job %s failed", self.job_id)
+            # Stopping trials can make the study raise; a stop that was asked for is not a failure.
+            outcome = self._stopped() or Outcome("failed", error=f"{type(err).__name__}: {err}")
+        finally:
+            self._done.set()
+            beat.join()
+        return self._finish(outcome)
+
+    def _run_study(self) -> Outcome:
+        from tuner.devices import resolve_family
+        from tuner.fingerprint import fingerprint
+        from tuner.recipe import recipe_from_dict
+        from tuner.study import run_study, study_name
+
+        with session_scope(self.url) as s:
+            recipe = recipe_from_dict(s.get(Job, self.job_id).recipe)
+        name = study_name(recipe, fingerprint(resolve_family(recipe.hardware.device)))
+        with session_scope(self.url) as s:
+            s.get(Job, self.job_id).study_name = name
+        cfg = self.worker.settings
+        summary = run_study(
+            recipe,
+            storage_url=self.url,
+            executor=self.worker.executor,
+            trials=min(recipe.search.trials, cfg.max_trials or recipe.search.trials),
+            timeout_s=min(recipe.search.timeout_min, cfg.max_timeout_min or recipe.search.timeout_min) * 60,
+            progress=self._on_progress,
+            should_stop=self.should_stop,
+            remeasure_top=cfg.remeasure_top,
+        )
+        stopped = self._stopped()
+        if stopped:
+            stopped.summary = summary
+            return stopped
+        if summary.best is None:
+            return Outcome(
+                "failed", summary, "no trial finished ok; GET the job's trials to see why each failed"
+            )
+        if not cfg.build:
+            return Outcome(
+                "succeeded",
+                summary,
+                build=BuildOutcome(error="builds are turned off on this service (TUNER_BUILD=false)"),
+            )
+        return Outcome("succeeded", summary, build=self._build(recipe, name, summary.best.trial))
+
+    def _stopped(self) -> Outcome | None:
+        """Why the study stopped early, when it was asked to: taken over, shut down or cancelled."""
+        if self.lost.is_set():
+            return Outcome("lost")
+        if self.worker.shutdown.is_set() and not self.cancelled.is_set():
+            return Outcome("queued")
+        if self.cancelled.is_set():
+            return Outcome("cancelled")
+        return None
+
+    def _build(self, recipe: Any, name: str, trial_number: int) -> BuildOutcome:
+        try:
+            from tuner.artifacts import ArtifactStore
+            from tuner.build import build_trial
+        except ImportError as err:
+            return BuildOutcome(error=f"build step unavailable: {err}")
+
+        def say(step: int, total: int, message: str) -> None:
+            self._on_progress(
+                {"event": "build_progress", "step": step, "total_steps": total, "message": message}
+            )
+
+        try:
+            record = build_trial(
+                recipe,
+                study_name=name,
+                trial_number=trial_number,
+                storage_url=self.url,
+                store=ArtifactStore(self.worker.settings.artifact_dir),
+                progress=say,
+            )
+        except Exception as err:  # noqa: BLE001 - the best config stands even when its build fails
+            log.exception("job %s: build failed", self.job_id)
+            return BuildOutcome(error=f"build failed: {type(err).__name__}: {err}")
+        return BuildOutcome(trial_number, str(record.path), record.sha256, record.size_bytes, record.build_id)
+
+    def _snapshot(self) -> None:
+        """Snapshot the study's finished trials, so the dashboard's first view of a large job reads
+        one row instead of every trial. A cache: a failure here is logged, never fails the job."""
+        try:
+            with session_scope(self.url) as s:
+                job = s.get(Job, self.job_id)
+                name = job.study_name if job is not None else None
+            if name:
+                snapshot_study(self.url, name)
+        except (DatabaseError, SQLAlchemyError) as err:
+            log.warning("job %s: could not snapshot study for the dashboard: %s", self.job_id, err)
+
+    def _finish(self, outcome: Outcome) -> str:
+        state = outcome.state
+        if state == "lost":
+            log.warning("job %s was taken over by another worker; leaving it", self.job_id)
+            return state
+        if state != "queued":
+            self._snapshot()
+        with session_scope(self.url) as s:
+            job = s.get(Job, self.job_id)
+            if job is None or job.worker_id != self.worker.worker_id or job.state in FINAL_STATES:
+                return job.state if job is not None else state
+            job.updated_at = utcnow()
+            if state == "queued":
+                # Graceful shutdown: hand the job back without spending one of its attempts.
+                job.state, job.worker_id, job.attempts = "queued", None, max(0, job.attempts - 1)
+                add_event(s, job.id, "requeued", {"reason": "worker shut down"})
+                return state
+            _record_outcome(s, job, outcome)
+        log.info("job %s: %s", self.job_id, state)
+        return state
+
+
+def _record_outcome(s: Any, job: Job, outcome: Outcome) -> None:
+    """The job's final row: its summary and figures, its build linked, its `done` event."""
+    if outcome.summary is not None:
+        apply_summary(job, outcome.summary)
+        job.summary = jsonable(outcome.summary.to_dict())
+    build = outcome.build or BuildOutcome()
+    row = s.get(Build, build.build_id) if build.build_id else None
+    if row is not None:
+        row.job_id = job.id
+    elif build.path:
+        s.add(Build(job_id=job.id, study_name=job.study_name, trial_number=build.trial, path=build.path,
+                    sha256=build.sha256, size_bytes=build.size_bytes))  # fmt: skip
+    if build.path:
+        add_event(
+            s, job.id, "build", {"trial": build.trial, "sha256": build.sha256, "size_bytes": build.size_bytes}
+        )
+    job.error = outcome.error or build.error
+    job.state, job.finished_at = outcome.state, utcnow()
+    done = {
+        "state": outcome.state,
+        "error": job.error,
+        "best_tokens_per_s": job.best_tokens_per_s,
+        "speedup": job.speedup,
+        "done": job.trials_done,
+        "total": job.trials_total,
+    }
+    add_event(s, job.id, "done", jsonable(done))
+
+
+def apply_summary(job: Job, summary: StudySummary) -> None:
+    """The job's figures are the summary's: the ranked winner's median, its speedup."""
+    if summary.best is not None:
+        job.best_tokens_per_s = summary.best.tokens_per_s
+    job.baseline_tokens_per_s = summary.baseline.tokens_per_s if summary.baseline else None
+    job.speedup = summary.speedup
+
+
+def jsonable(value: Any) -> Any:
+    """Payloads go into a JSON column: keep numbers, strings, lists and dicts; stringify the rest."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if hasattr(value, "to_dict"):
+        return jsonable(value.to_dict())
+    return str(value)

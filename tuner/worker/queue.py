@@ -1,0 +1,112 @@
+"""The job queue in the database: a worker claims the oldest queued job (safely when several
+workers run), and jobs whose worker died are re-queued (their study resumes) or failed."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import socket
+import uuid
+
+from sqlalchemy import func, select, update
+
+from tuner.db import Job, add_event, session_scope, utcnow
+from tuner.resume import pid_dead
+
+log = logging.getLogger("tuner.worker")
+
+HEARTBEAT_S = 2.0
+# A running job whose heartbeat is older than this lost its worker (on another host; on this host a
+# dead pid is noticed at once).
+STALE_AFTER_S = 30.0
+MAX_ATTEMPTS = 3
+RETRY_S = 5.0  # after the database was unreachable
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def worker_is_dead(
+    worker_id: str | None, heartbeat: dt.datetime, now: dt.datetime, stale_after_s: float
+) -> bool:
+    host, _, rest = (worker_id or "").partition(":")
+    pid = rest.partition(":")[0]
+    if host == socket.gethostname() and pid.isdigit() and pid_dead(int(pid)):
+        return True
+    return (now - heartbeat).total_seconds() > stale_after_s
+
+
+def recover_jobs(
+    url: str | None = None, *, stale_after_s: float = STALE_AFTER_S, max_attempts: int = MAX_ATTEMPTS
+) -> list[tuple[int, str]]:
+    """Re-queue running jobs whose worker died (their study resumes under the same name), or fail
+    them after `max_attempts`. Returns [(job id, new state)]."""
+    changed = []
+    with session_scope(url) as s:
+        now = utcnow()
+        running = s.execute(
+            select(Job.id, Job.worker_id, Job.updated_at, Job.attempts).where(Job.state == "running")
+        )
+        for job_id, worker_id, heartbeat, attempts in running.all():
+            if not worker_is_dead(worker_id, heartbeat, now, stale_after_s):
+                continue
+            if attempts >= max_attempts:
+                error = f"its worker died {attempts} times while running it (limit {max_attempts}); giving up"
+                values = {"state": "failed", "finished_at": now, "error": error}
+                event = ("done", {"state": "failed", "error": error})
+            else:
+                values = {"state": "queued"}
+                event = ("requeued", {"reason": f"worker {worker_id} died", "attempts": attempts})
+            # Compare-and-set: several workers may recover at once; only one may move the job.
+            hit = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == "running", Job.worker_id == worker_id)
+                .values(worker_id=None, updated_at=now, **values)
+            )
+            if hit.rowcount == 1:
+                add_event(s, job_id, *event)
+                changed.append((job_id, values["state"]))
+    for job_id, state in changed:
+        log.warning("job %s: worker died; now %s", job_id, state)
+    return changed
+
+
+def claim_job(url: str | None, worker_id: str) -> int | None:
+    """Take the oldest queued job for this worker; None when there is none. Two workers never get
+    the same job: PostgreSQL skips rows another worker has locked, SQLite compares-and-sets."""
+    now = utcnow()
+    claimed = {
+        "state": "running",
+        "worker_id": worker_id,
+        "attempts": Job.attempts + 1,
+        "started_at": func.coalesce(Job.started_at, now),
+        "updated_at": now,
+    }
+    with session_scope(url) as s:
+        if s.bind.dialect.name == "postgresql":
+            job_id = s.scalar(
+                select(Job.id)
+                .where(Job.state == "queued")
+                .order_by(Job.id)
+                .limit(1)
+                .with_for_update(skip_locked=True)
+            )
+            if job_id is None:
+                return None
+            s.execute(update(Job).where(Job.id == job_id).values(**claimed))
+        else:
+            job_id = None
+            for candidate in s.scalars(select(Job.id).where(Job.state == "queued").order_by(Job.id).limit(5)):
+                hit = s.execute(
+                    update(Job).where(Job.id == candidate, Job.state == "queued").values(**claimed)
+                )
+                if hit.rowcount == 1:
+                    job_id = candidate
+                    break
+            if job_id is None:
+                return None
+        attempts = s.scalar(select(Job.attempts).where(Job.id == job_id))
+        add_event(s, job_id, "state", {"state": "running", "worker": worker_id, "attempt": attempts})
+    return job_id
