@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tuner.attention_kernels import compute_dtype, kernel_reasons
 from tuner.devices import DeviceInfo
 from tuner.recipe import Recipe
 
@@ -186,6 +187,7 @@ def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> li
     return [
         *_split_reasons(config, recipe, device),
         *_device_reasons(config, device),
+        *_attention_reasons(config, recipe, device),
         *_combination_reasons(config, device),
     ]
 
@@ -252,6 +254,14 @@ def _device_reasons(config: Config, device: DeviceInfo) -> list[str]:
         if config.grad_compression == "powersgd" and device.backend == "hccl":
             r.append("grad_compression=powersgd is not supported with hccl")
     return r
+
+
+def _attention_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
+    """The attention kernel against the dtype it would run in and the model's head size."""
+    if config.attention not in device.attention_backends:
+        return []  # already refused by _device_reasons
+    dtype = compute_dtype(config.amp, config.amp_dtype)
+    return kernel_reasons(device.family, config.attention, dtype, recipe.model.head_dim)
 
 
 def _combination_reasons(config: Config, device: DeviceInfo) -> list[str]:
