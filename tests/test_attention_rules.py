@@ -84,12 +84,16 @@ def test_every_accepted_config_respects_the_documented_kernel_limits(name, head_
         ok = documented_ok(family, capability, config.attention, attention_dtype(config), head_dim)
         if not reasons:
             accepted += 1
-            assert ok, f"{name}: the rules accept {config.attention} in {attention_dtype(config)}, head_dim {head_dim}"
+            assert ok, (
+                f"{name}: the rules accept {config.attention} in {attention_dtype(config)}, head_dim {head_dim}"
+            )
         # Refused for the kernel, or for the dtype itself (bf16 on a V100).
         kernel = [x for x in reasons if x.startswith((f"attention={config.attention}", "amp_dtype="))]
         if not ok:
             refused_for_kernel += 1
-            assert kernel, f"{name}: {config.attention} in {attention_dtype(config)} should be refused: {reasons}"
+            assert kernel, (
+                f"{name}: {config.attention} in {attention_dtype(config)} should be refused: {reasons}"
+            )
     assert accepted > 50 and refused_for_kernel > 0
 
 
@@ -124,7 +128,9 @@ def test_a_modern_gpu_baseline_uses_a_fused_kernel_and_its_reference_a_fp32_one(
 
 
 def test_an_fp32_config_with_flash_on_cuda_is_refused_with_the_fix():
-    reasons = infeasible_reasons(Config(dp=8, attention="flash", amp="O0"), recipe("cuda", 128), known_device("H200"))
+    reasons = infeasible_reasons(
+        Config(dp=8, attention="flash", amp="O0"), recipe("cuda", 128), known_device("H200")
+    )
     assert reasons == [
         "attention=flash cannot run in fp32 on cuda (FlashAttention takes fp16/bf16 only); "
         "use amp=O1 or O2, or attention=math or efficient"

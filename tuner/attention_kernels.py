@@ -33,7 +33,9 @@ _LIMITS: dict[tuple[str, str], KernelLimits] = {
     ("cuda", "cudnn"): KernelLimits(("bf16", "fp16"), 128, 16, "cuDNN attention takes fp16/bf16 only"),
     ("npu", "math"): KernelLimits(ALL_DTYPES),
     # torch_npu.npu_fusion_attention: query/key/value fp16 or bf16, head_dim at most 512.
-    ("npu", "npu_fusion"): KernelLimits(("bf16", "fp16"), 512, 0, "npu_fusion_attention takes fp16/bf16 only"),
+    ("npu", "npu_fusion"): KernelLimits(
+        ("bf16", "fp16"), 512, 0, "npu_fusion_attention takes fp16/bf16 only"
+    ),
 }
 
 

@@ -25,6 +25,7 @@ from tuner.device_table import CATALOG, PEAK_TFLOPS
 
 FAMILIES = ("cpu", "cuda", "npu")
 
+
 @dataclass(frozen=True)
 class DeviceInfo:
     """What one device family on this machine offers a trial."""
