@@ -364,19 +364,58 @@ def reset_peak_memory(family: str) -> int:
 
 
 def peak_memory(family: str, baseline: int = 0) -> tuple[int, int]:
-    """(allocated, reserved) peak bytes since `reset_peak_memory`.
+    """(allocated, reserved) peak bytes since `reset_peak_memory`."""
+    peak = memory_peak(family, baseline)
+    return peak.allocated, peak.reserved
 
-    CPU: both are the resident-set growth over the baseline (RSS high water mark - baseline).
-    """
-    if family == "cuda":
-        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    if family == "npu":
-        return torch.npu.max_memory_allocated(), torch.npu.max_memory_reserved()
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """Peak memory of one rank since `reset_peak_memory`, as the device's allocator reports it."""
+
+    allocated: int  # bytes in tensors
+    reserved: int  # bytes the caching allocator holds from the device
+    active: int | None = None  # bytes in active blocks (incl. freed-but-not-yet-reusable); CUDA/NPU
+
+    @property
+    def fragmentation(self) -> int | None:
+        """Reserved minus allocated at the peak: what the pool holds but no tensor uses. The two
+        peaks may fall at different moments, so this bounds the waste at the allocation peak from
+        above. None on CPU, where there is no caching allocator (both read the resident set)."""
+        return None if self.active is None else max(0, self.reserved - self.allocated)
+
+
+def memory_peak(family: str, baseline: int = 0) -> MemoryPeak:
+    """CPU: allocated and reserved are both the resident-set growth over `baseline` (RSS high
+    water mark - baseline); CUDA/NPU: the allocator's peak statistics."""
+    if family in ("cuda", "npu"):
+        stats = (torch.cuda if family == "cuda" else torch.npu).memory_stats()
+        return MemoryPeak(
+            allocated=int(stats.get("allocated_bytes.all.peak", 0)),
+            reserved=int(stats.get("reserved_bytes.all.peak", 0)),
+            active=int(stats.get("active_bytes.all.peak", 0)),
+        )
     hwm = _proc_status_kb("VmHWM") * 1024
     if hwm == 0:  # no /proc: fall back to getrusage (kilobytes on Linux)
         hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     growth = max(0, hwm - baseline)
-    return growth, growth
+    return MemoryPeak(growth, growth)
+
+
+# The allocator's environment variable per family, and what each `alloc_conf` knob value adds.
+ALLOC_CONF_ENV = {"cuda": "PYTORCH_CUDA_ALLOC_CONF", "npu": "PYTORCH_NPU_ALLOC_CONF"}
+_ALLOC_CONF = {"default": "", "expandable_segments": "expandable_segments:True"}
+
+
+def alloc_env(family: str, alloc_conf: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a trial's ranks need for the `alloc_conf` knob, set before the device's
+    allocator starts. Options the user already set in that variable are kept."""
+    var, option = ALLOC_CONF_ENV.get(family), _ALLOC_CONF[alloc_conf]
+    if var is None or not option:
+        return {}
+    current = (os.environ if environ is None else environ).get(var, "")
+    kept = [o for o in current.split(",") if o and not o.startswith("expandable_segments")]
+    return {var: ",".join([*kept, option])}
 
 
 def is_oom(exc: BaseException) -> bool:
