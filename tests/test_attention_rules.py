@@ -143,3 +143,21 @@ def test_the_cpu_flash_kernel_takes_fp32():
     cpu = describe("cpu")
     r = recipe("cpu", 32, devices=1)
     assert not infeasible_reasons(Config(attention="flash", amp="O0"), r, cpu)
+
+
+def test_the_cuda_benchmark_sweep_goes_through_the_same_rules(capsys):
+    """benchmarks/cuda_measure.py runs on a GPU machine in one prepared run; its dry run checks
+    here that every config it would measure passes the rules, except the one meant to be refused."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_measure.py"
+    main = runpy.run_path(str(script))["main"]
+    assert main(["recipes/gpt-tiny.yaml", "--layers", "2", "--dry-run", "H200"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    refused = [line for line in lines if "infeasible" in line]
+    assert refused == [
+        "precision: amp=O0, attention=flash: infeasible: attention=flash cannot run in fp32 on cuda "
+        "(FlashAttention takes fp16/bf16 only); use amp=O1 or O2, or attention=math or efficient"
+    ]
+    assert len(lines) >= 15
