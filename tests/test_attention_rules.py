@@ -153,7 +153,10 @@ def test_the_cuda_benchmark_sweep_goes_through_the_same_rules(capsys):
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "cuda_measure.py"
     main = runpy.run_path(str(script))["main"]
-    assert main(["recipes/gpt-tiny.yaml", "--layers", "2", "--dry-run", "H200"]) == 0
+    assert (
+        main([str(script.parent.parent / "recipes" / "gpt-tiny.yaml"), "--layers", "2", "--dry-run", "H200"])
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     refused = [line for line in lines if "infeasible" in line]
     assert refused == [
