@@ -147,6 +147,7 @@ class JobRun:
             progress=self._on_progress,
             should_stop=self.should_stop,
             remeasure_top=cfg.remeasure_top,
+            study_name=name,
         )
         stopped = self._stopped()
         if stopped:
