@@ -28,7 +28,9 @@ from tuner.worker.wording import failure
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's Chromium: apt-get install -y chromium"),
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason="needs Debian's Chromium: apt-get install -y chromium"
+    ),
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +53,10 @@ def _failed_build_job(url: str) -> int:
         except OSError as err:
             raise RuntimeError(f"C++ compile of the fused kernels failed:\n{traceback.format_exc()}") from err
     except RuntimeError as err:
-        error, log = failure("build failed", err, "the best config stands; the job's log has the details"), traceback.format_exc()
+        error, log = (
+            failure("build failed", err, "the best config stands; the job's log has the details"),
+            traceback.format_exc(),
+        )
     with session_scope(url) as s:
         job = s.get(Job, job_id)
         job.error, job.log = error, log
@@ -77,7 +82,12 @@ def service(tmp_path_factory):
     with session_scope(url) as s:
         token = create_token(s, "browser")
     port = _free_port()
-    serve_env = {**env, "TUNER_ARTIFACT_DIR": str(d / "artifacts"), "TUNER_REMEASURE_TOP": "0", "TUNER_BUILD": "false"}
+    serve_env = {
+        **env,
+        "TUNER_ARTIFACT_DIR": str(d / "artifacts"),
+        "TUNER_REMEASURE_TOP": "0",
+        "TUNER_BUILD": "false",
+    }
     log = open(d / "serve.log", "w")  # noqa: SIM115 - closed after the server stops
     proc = subprocess.Popen(
         [sys.executable, "-m", "tuner.cli.main", "serve", "--port", str(port), "--workers", "1"],
@@ -216,7 +226,10 @@ def test_knob_importance_from_few_trials_is_marked_indicative(service, page):
     _ready(page)
     note = page.locator("#importance-note")
     assert note.is_visible()
-    assert f"Indicative only: importance from {completed} completed trials (reliable from 20)" in note.inner_text()
-    assert "indicative" in page.inner_text("#plot-importance .gtitle")
+    assert (
+        f"Indicative only: importance from {completed} completed trials (reliable from 20)"
+        in note.inner_text()
+    )
+    assert "indicative" in page.locator("#plot-importance .gtitle").text_content()
     assert page.locator("#plot-importance .errorbar").count() > 0
     _shot(page, "importance-indicative")
