@@ -89,7 +89,7 @@ class JobPublic(BaseModel):
                 "best": f"{base}/best",
                 "build": f"{base}/build",
                 "cancel": f"{base}/cancel",
-                "log": f"{base}/log",
+                **({"log": f"{base}/log"} if job.log else {}),  # the whole failure behind `error`
             },
         )
 

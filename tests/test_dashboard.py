@@ -534,3 +534,33 @@ def test_the_server_keeps_a_bounded_number_of_studies_in_memory(db, monkeypatch)
         read_study(s, names[0])
         held = {name for _, name in store._cache}
     assert names[2] not in held and {names[0], names[1]} <= held
+
+
+def test_the_cached_study_sees_a_running_trial_finish_and_a_new_trial_appear(tmp_path):
+    """The freshness check reads only the highest trial id and the trials held unfinished."""
+    from seed import seed_study
+    from sqlalchemy import update
+
+    from tuner import optuna_tables as tables
+    from tuner.db import session_scope
+    from tuner.record.reader import read_study
+
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    seed_study(url, "live", 30, seed=1, running=2)
+    with session_scope(url) as s:
+        first = read_study(s, "live")
+        assert read_study(s, "live") is first  # unchanged: the cached record
+        running = [t for t in first.trials if t.state == "running"]
+        assert len(running) == 2
+    with session_scope(url) as s:
+        s.execute(update(tables.trials).where(tables.trials.c.trial_id == running[0].trial_id)
+                  .values(state="FAIL", datetime_complete=dt.datetime.now()))  # fmt: skip
+    with session_scope(url) as s:
+        second = read_study(s, "live")
+        assert second is not first
+        assert second.find(running[0].number).state == "fail"
+        assert read_study(s, "live") is second
+    seed_study(url, "live", 3, seed=2)
+    with session_scope(url) as s:
+        third = read_study(s, "live")
+        assert len(third.trials) == 35 and third is not second

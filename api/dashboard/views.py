@@ -37,7 +37,7 @@ def study_header(study: StudyRecord) -> dict[str, Any]:
         "trials_done": finished,
         "trials_total": finished,
         "trials_reused": 0,
-        "progress": f"{finished} trials (run from the CLI: tuner tune)",
+        "progress": f"{finished} finished",
         "error": None,
     }
 

@@ -48,18 +48,19 @@ async function loadOverview() {
   const { job, best, speedup, build, failures } = overview;
   document.title = isJob ? `#${job.id} ${job.name} · tuner` : `${job.name} (study) · tuner`;
   const recipe = el("a", { href: `/ui/recipes/${encodeURIComponent(job.name)}` }, job.name);
-  $("job-header").replaceChildren(
+  $("job-header").replaceChildren(...[
     el("h1", {}, isJob ? `Job #${job.id}: ` : "Study: ", recipe, " ", badge(job.state)),
-    isJob ? null : el("p", { class: "muted" }, `${job.study_name} · not a job of this service: run with tuner tune`),
+    isJob ? null : el("p", { class: "muted" }, `${job.study_name} · not a job of this service (run by tuner tune or the nightly)`),
     el("p", {}, el("progress", { max: job.trials_total || 1, value: job.trials_done }),
-      " ", el("span", { id: "job-progress" }, job.progress), ` trials · best ${num(job.best_tokens_per_s)} tokens/s`),
-    job.error ? errorLine(job) : null);
+      " trials ", el("span", { id: "job-progress" }, job.progress), ` · best ${num(job.best_tokens_per_s)} tokens/s`),
+    job.error ? errorLine(job) : null].filter(Boolean));
   renderBest(best, speedup, build, job);
   renderFailures(failures);
 }
 
 // A failed job: its one-line error, and its full log one click away (GET /v1/jobs/ID/log).
 function errorLine(job) {
+  if (!job.links.log) return el("p", { id: "job-error", class: "error" }, job.error);
   const box = el("pre", { id: "job-log", class: "log", hidden: true });
   const link = el("a", { id: "job-log-link", href: job.links.log, onclick: async (ev) => {
     ev.preventDefault();
