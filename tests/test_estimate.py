@@ -71,7 +71,8 @@ def test_sharding_divides_the_weights():
     ddp = est(Config(dp=2), recipe(devices=2))
     m = recipe().model
     block_matmul_bytes = 4 * m.layers * (4 * m.hidden**2 + 2 * m.hidden * m.ffn_size)
-    assert base.params_bytes - tp.params_bytes == block_matmul_bytes // 2
+    vocab_bytes = 4 * 2 * m.vocab * m.hidden  # token embedding and LM head, split over the vocabulary
+    assert base.params_bytes - tp.params_bytes == (block_matmul_bytes + vocab_bytes) // 2
     assert pp.params_bytes < 0.75 * base.params_bytes
     assert fsdp.params_bytes == base.params_bytes // 2
     assert ddp.comm_bytes == ddp.grads_bytes  # DDP buckets copy the gradients
@@ -120,7 +121,7 @@ def test_budget_and_oom_prediction():
 def test_breakdown_is_in_gib():
     b = est(Config()).breakdown()
     assert set(b) >= {"peak_mem_bytes", "params_bytes", "activation_bytes", "logits_bytes", "overhead_bytes"}
-    assert b["overhead_bytes"] == pytest.approx(62 * MiB / GiB)
+    assert b["overhead_bytes"] == pytest.approx(30 * MiB / GiB)
 
 
 # ---- against real trials -------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def test_estimate_tracks_measured_peaks(tmp_path):
     with ThreadPoolExecutor(len(configs)) as pool:
         results = list(pool.map(measure, range(len(configs))))
     estimates = [estimate(rec, c, CPU).peak_mem_bytes for c in configs]
-    measured = []
+    measured, errors = [], []
     for c, r, e in zip(configs, results, estimates, strict=True):
         assert r.status == "ok", r.error
         measured.append(r.peak_mem_reserved_bytes)
@@ -159,5 +160,6 @@ def test_estimate_tracks_measured_peaks(tmp_path):
             f"mbs={c.micro_batch_size} recompute={c.recompute}: measured {r.peak_mem_reserved_bytes / MiB:.0f} MiB, "
             f"estimated {e / MiB:.0f} MiB, error {err:+.1%}"
         )
-        assert abs(err) < TOLERANCE
+        errors.append(err)
+    assert all(abs(e) < TOLERANCE for e in errors), errors
     assert measured == sorted(measured) and estimates == sorted(estimates)
