@@ -58,6 +58,8 @@ def launch_ranks(
     env: dict[str, str] | None = None,
     layers: int = 2,
     cache_dir: Path | None = None,
+    model: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
     **spec_fields: Any,
 ) -> Run:
     """Start `world` ranks the way an executor does (torchrun's variables), wait for them, and,
@@ -65,8 +67,8 @@ def launch_ranks(
     recipe = recipe_from_dict(
         {
             "name": "tiny",
-            "model": TINY | {"layers": layers},
-            "train": {"global_batch_size": 8},
+            "model": model or TINY | {"layers": layers},
+            "train": train or {"global_batch_size": 8},
             "measure": {"warmup_steps": 1, "steps": 3},
         }
     )

@@ -57,6 +57,10 @@ class Training:
     scaler: torch.amp.GradScaler | None
     n_microbatches: int
     batches: Any
+    # The rank's parameters as the optimizer holds them, listed before any forward: DDP over a
+    # tensor-parallel model swaps DTensor attributes in and out of the module around each forward,
+    # so `module.parameters()` is not a stable account of them.
+    params: list[torch.Tensor] = field(default_factory=list)
     schedule: Any = None
     _pp_losses: list[torch.Tensor] = field(default_factory=list)
 
@@ -115,7 +119,7 @@ class Training:
         )
         training = cls(
             spec, recipe, config, env, dims, device, model, module, optimizer, master,
-            make_scaler(config, device.type), n_micro, iter(loader),
+            make_scaler(config, device.type), n_micro, iter(loader), params,
         )  # fmt: skip
         if dims.pp_enabled:
             training.schedule = training._make_schedule(coords["pp"])
@@ -251,11 +255,11 @@ class Training:
         return vals.tolist()
 
     def local_params(self) -> int:
-        return sum(_local_numel(p) for p in self.module.parameters())
+        return sum(_local_numel(p) for p in self.params)
 
     def rank_report(self) -> dict[str, Any]:
         """What this rank actually runs, for the trial's evidence (result.extra["ranks"])."""
-        param = next(self.module.parameters())
+        param = self.params[0]
         return {
             "rank": self.env.rank,
             "coords": self.dims.coords(self.env.rank),
