@@ -4,10 +4,12 @@ vocabulary-parallel cross entropy used when tp > 1."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -134,31 +136,57 @@ def _local_slices(p: torch.Tensor) -> tuple[slice, ...] | None:
 InitRule = Callable[[str], tuple[str, float]]
 
 
+# Tensors are drawn in blocks of this many elements, each from its own generator, so the blocks
+# of a large tensor are drawn in parallel (one thread per core the rank has; torch's normal_
+# on CPU runs on one core). The numbers depend on the block size, never on the split.
+DRAW_BLOCK = 1 << 22
+
+
+def _draw_normal(
+    out: torch.Tensor, std: float, seed: int, name: str, pool: ThreadPoolExecutor | None
+) -> None:
+    """Fill contiguous fp32 `out` with N(0, std) from (seed, name)'s generators, block by block."""
+    flat = out.view(-1)
+    starts = range(0, flat.numel(), DRAW_BLOCK)
+
+    @torch.no_grad()  # grad mode is per thread: the pool's threads need it too
+    def draw(i: int) -> None:
+        gen = torch.Generator(device=out.device).manual_seed(_param_seed(seed, f"{name}#{i}"))
+        flat[starts[i] : starts[i] + DRAW_BLOCK].normal_(0.0, std, generator=gen)
+
+    if pool is None or len(starts) == 1:
+        for i in range(len(starts)):
+            draw(i)
+    else:
+        list(pool.map(draw, range(len(starts))))
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, rule: InitRule) -> None:
-    """Draw every parameter from a generator keyed by (seed, its canonical name), on the device
+    """Draw every parameter from generators keyed by (seed, its canonical name), on the device
     the parameter lives on, and keep this rank's shard of it: every split starts from the same
-    function. A sharded parameter draws its full tensor once (one tensor at a time) and keeps its
-    slice; an unsharded one is drawn in place."""
+    function. A sharded parameter draws its full tensor (one tensor at a time) and keeps its
+    slice; an unsharded fp32 one is drawn in place."""
     seen: set[int] = set()
-    for name, p in model.named_parameters(remove_duplicate=True):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        canon = canonical_name(name)
-        kind, std = rule(canon)
-        where = _local_slices(p)
-        local = p.to_local() if where is not None else p
-        if kind == "ones":
-            local.fill_(1.0)
-        elif kind == "zeros":
-            local.zero_()
-        else:
-            gen = torch.Generator(device=local.device).manual_seed(_param_seed(seed, canon))
-            if where is None and local.dtype == torch.float32:
-                local.normal_(0.0, std, generator=gen)
+    threads = torch.get_num_threads()
+    with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
+        for name, p in model.named_parameters(remove_duplicate=True):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            canon = canonical_name(name)
+            kind, std = rule(canon)
+            where = _local_slices(p)
+            local = p.to_local() if where is not None else p
+            if kind == "ones":
+                local.fill_(1.0)
+            elif kind == "zeros":
+                local.zero_()
+            elif where is None and local.dtype == torch.float32 and local.is_contiguous():
+                _draw_normal(local, std, seed, canon, pool)
             else:
-                full = torch.empty(p.shape, device=local.device).normal_(0.0, std, generator=gen)
+                full = torch.empty(p.shape, device=local.device)
+                _draw_normal(full, std, seed, canon, pool)
                 local.copy_(full if where is None else full[where])
 
 
