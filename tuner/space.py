@@ -78,6 +78,7 @@ _ORDER = (
     "loader_workers",
     "pin_memory",
     "cpu_affinity",
+    "alloc_conf",
 )
 assert set(_ORDER) | set(_DEGREES) == set(KNOBS)
 
