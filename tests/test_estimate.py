@@ -50,6 +50,20 @@ def test_weights_match_the_real_model():
     assert e.optimizer_bytes == (2 + 1) * 4 * real  # adamw's two states + foreach temporaries
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_weights_match_the_real_model_and_split_over_tp(tied):
+    from tuner.workload.model import build_meta
+
+    model = {"family": "llama", "layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "seq_len": 256,
+             "vocab": 2048, "tie_embeddings": tied}  # fmt: skip
+    rec = recipe_from_dict({"name": "l", "model": model, "hardware": {"devices": 2}})
+    real = sum(p.numel() for p in build_meta(rec.model, "math").parameters())
+    assert est(Config(dp=2), rec).params_bytes == 4 * real
+    tp = est(Config(tp=2), rec).params_bytes
+    norms = 4 * (2 * 4 + 1) * 128  # two RMSNorms per block and the final one stay whole
+    assert tp == (4 * real - norms) // 2 + norms
+
+
 def test_amp_o2_keeps_low_precision_params_and_fp32_master():
     n = param_count(recipe().model)
     e = est(Config(amp="O2", optimizer_impl="fused"))

@@ -16,7 +16,7 @@ from tuner.devices import describe
 from tuner.models import family_of
 from tuner.recipe import RecipeError, load_recipe, recipe_from_dict
 from tuner.result import TrialSpec
-from tuner.workload.apply import apply_recompute
+from tuner.workload.apply import apply_compile, apply_offload, apply_recompute
 from tuner.workload.flops import flops_per_token, param_count
 from tuner.workload.model import build_meta, build_model, materialize
 from tuner.workload.train import Training
@@ -194,6 +194,24 @@ def test_recompute_and_its_layer_fraction_keep_fewer_activations():
         saved[mode, fraction] = saved_bytes(model, x)
     assert saved["full", 1.0] < saved["selective", 1.0] < saved["none", 1.0]
     assert saved["full", 1.0] < saved["full", 0.5] < saved["full", 0.25] < saved["none", 1.0]
+    # Offload hands every block's saved tensors to save_on_cpu (whose copies live on the host).
+    model = build_model(m, "math", seed=0, device=CPU)
+    apply_offload(model, pin_memory=False)
+    assert saved_bytes(model, x) < saved["full", 1.0]
+
+
+def test_compile_reaches_every_llama_block(monkeypatch):
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kwargs):
+        seen.append(kwargs.get("mode"))
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    model = build_meta(model_spec(), "math")
+    apply_compile(model, "default")
+    assert seen == ["default", "default"]
 
 
 def training(tmp_path, **knobs) -> Training:
