@@ -113,7 +113,9 @@ def _check_recipe(recipe: Recipe, settings: Settings) -> None:
             problems.append(("search.space", f"unknown search space; this service has: {known}"))
         else:
             try:
-                load_space(space).narrow(recipe.search.overrides)
+                shape = load_space(space).narrow(recipe.search.overrides).shape_problem(recipe)
+                if shape:
+                    problems.append(shape)
             except SpaceError as err:
                 problems.append(("search.overrides", str(err)))
     if problems:
