@@ -67,7 +67,8 @@ def launch_ranks(
             "name": "tiny",
             "model": TINY | {"layers": layers},
             "train": {"global_batch_size": 8},
-            "measure": {"warmup_steps": 1, "steps": 3},
+            # Exactly 3 measured steps (no adaptive stop): the splits compare step for step.
+            "measure": {"warmup_steps": 1, "steps": 3, "target_ci": None},
         }
     )
     workdir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +173,8 @@ def assert_same_training(result: dict[str, Any], single: dict[str, Any]) -> None
 
 def test_a_single_rank_reports_the_measured_numbers(single):
     r = single
-    assert r["status"] == "ok" and len(r["step_times"]) == 3 and len(r["losses"]) == 3
+    # losses: every step from the first, the warm-up step included
+    assert r["status"] == "ok" and len(r["step_times"]) == 3 and len(r["losses"]) == 4
     assert r["step_time_s"] == sorted(r["step_times"])[1]
     assert r["measured_s"] == pytest.approx(sum(r["step_times"]))
     assert r["tokens_per_s"] == pytest.approx(8 * 32 / r["step_time_s"])
