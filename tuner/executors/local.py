@@ -62,7 +62,8 @@ def run_trial(
     child_env = trial_env(env)
 
     start = time.monotonic()
-    helper = warm.shared_helper(child_env) if warm.enabled(child_env) else None
+    # A build's rank (`module`) times its compiler from a fresh interpreter: always cold.
+    helper = warm.shared_helper(child_env) if module is None and warm.enabled(child_env) else None
     for attempt in range(1 + PORT_RETRIES):
         result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop, helper)
         # The rendezvous port is free when the launcher picks it but only bound seconds later,

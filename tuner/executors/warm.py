@@ -8,8 +8,9 @@ only skips the interpreter start and the imports (about 2 CPU-s per rank).
 
 The helper ends when its parent process ends (its stdin closes), killing the sessions it
 started. A helper that died is started again on the next trial; a trial that cannot reach a
-helper runs cold. `TUNER_WARM_START=0` (in the environment or in the executor's `env`) turns
-the helper off.
+helper runs cold, and so does a build's rank (`run_trial(module=...)`), which times the compiler
+from a fresh interpreter, imports included. `TUNER_WARM_START=0` (in the environment or in the
+executor's `env`) turns the helper off.
 
     python -m tuner.executors.warm SOCKET   (started by `shared_helper`, not by hand)
 """
@@ -31,8 +32,9 @@ import threading
 import time
 from pathlib import Path
 
-# What the helper imports before it forks anything: the point of keeping it.
-PRELOAD = ("torch", "torch.distributed", "tuner.workload.run", "tuner.workload.build_rank")
+# What the helper imports before it forks anything: the point of keeping it. torch._dynamo too:
+# the optimizer's constructor imports it (with Inductor's config), about 1 CPU-s per rank.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "tuner.workload.run")
 READY_TIMEOUT_S = 120.0  # torch's import on a badly loaded machine
 WARM_ENV = "TUNER_WARM_START"
 
