@@ -8,8 +8,11 @@ measurement's interval covers its re-measurements, and the spread of one config 
 `studies` runs, one after the other in one process (so all see the same machine):
 - before: the measurement as it was (cold start, 2 warm-up + 5 measured steps, one re-measurement
   round), local executor;
-- local-warm / local-cold: adaptive measurement, warm start on / off (TUNER_WARM_START);
-- ray-warm / ray-cold: the same on a local Ray runtime.
+- local-warm: adaptive measurement and the warm start, local executor, 2 re-measurement rounds;
+- ray-warm: the same on a local Ray runtime (no re-measurement);
+- ray-before: the measurement as it was, on Ray (the cold start's overhead on Ray);
+- local-cold / ray-cold: adaptive measurement, cold start (not in the default set: `before` and
+  `ray-before` give the cold start's overhead with the same 2 warm-up steps in less time).
 Other work on the machine inflates every number: compare the rows of one run, and note the load
 average printed with each.
 """
@@ -33,7 +36,9 @@ CONDITIONS = {
     "local-cold": ("local", False, True, 0),
     "ray-warm": ("ray", True, True, 0),
     "ray-cold": ("ray", False, True, 0),
+    "ray-before": ("ray", False, False, 0),
 }
+DEFAULT = ("before", "local-warm", "ray-warm", "ray-before")
 
 
 def coverage(study) -> tuple[int, int]:
@@ -53,6 +58,19 @@ def coverage(study) -> tuple[int, int]:
             pairs += 1
             covered += tps / (1 + ci) <= v <= tps / max(1e-9, 1 - ci)
     return covered, pairs
+
+
+def start_cpu_s(workdir: str) -> float | None:
+    """Median CPU seconds all ranks of a trial used until rank 0 had built its training (the start
+    cost the warm start removes; unlike wall time it hardly depends on the machine's load)."""
+    from pathlib import Path
+
+    values = []
+    for path in Path(workdir).rglob("exits.json"):
+        cpu = json.loads(path.read_text()).get("cpu_at_rank0_ready_s")
+        if cpu is not None:
+            values.append(cpu)
+    return statistics.median(values) if values else None
 
 
 def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
@@ -105,6 +123,7 @@ def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
         "wall_s_median": statistics.median(a[keys.WALL_S] for a in ok) if ok else None,
         "measured_s_median": statistics.median(a[keys.MEASURED_S] for a in ok) if ok else None,
         "step_time_ci_median": statistics.median(cis) if cis else None,
+        "start_cpu_s_median": start_cpu_s(tmp),
         "device_s_total": device_s,
         "study_wall_s": wall,
         "covered": covered,
@@ -162,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--trials", type=int, default=12)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--ray-cpus", type=int, default=2)
-    s.add_argument("--conditions", nargs="+", default=list(CONDITIONS), choices=list(CONDITIONS))
+    s.add_argument("--conditions", nargs="+", default=list(DEFAULT), choices=list(CONDITIONS))
     s.add_argument("--json", help="also write the rows to this file")
     r = sub.add_parser("repeat", help="one config measured several times with `tuner measure`")
     r.add_argument("recipe")

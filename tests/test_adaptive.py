@@ -3,6 +3,7 @@ interval of the median is within measure.target_ci or measure.max_seconds passes
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -89,12 +90,18 @@ def test_jittered_trial_measures_more_steps_and_stops_at_max_seconds(tmp_path, m
     # A 100 ms sleep dominates the tiny model's step: steady to some 25% even on a badly loaded
     # machine. The jittered step adds a random sleep of 200 ms on average (exponential): its median
     # needs far more steps than fit in max_seconds to be known that well.
+    # One core, so one thread: OpenMP threads spinning for a descheduled peer make steps on a
+    # loaded machine seconds long and as noisy as the jitter.
+    core = [sorted(os.sched_getaffinity(0))[0]]
     steady = run_trial(
-        tiny_spec(tmp_path, "steady", target_ci=0.25, max_seconds=5), env={"TUNER_TEST_STEP_DELAY_S": "0.1"}
+        tiny_spec(tmp_path, "steady", target_ci=0.25, max_seconds=8),
+        env={"TUNER_TEST_STEP_DELAY_S": "0.1"},
+        cpus=core,
     )
     jitter = run_trial(
-        tiny_spec(tmp_path, "jitter", target_ci=0.25, max_seconds=5),
+        tiny_spec(tmp_path, "jitter", target_ci=0.25, max_seconds=8),
         env={"TUNER_TEST_STEP_DELAY_S": "0.05", "TUNER_TEST_STEP_JITTER_S": "0.2"},
+        cpus=core,
     )
     for r in (steady, jitter):
         assert r.status == "ok", r.error
@@ -102,7 +109,7 @@ def test_jittered_trial_measures_more_steps_and_stops_at_max_seconds(tmp_path, m
     assert steady.extra["stop_reason"] == "target_ci" and steady.step_time_ci <= 0.25
     assert len(jitter.step_times) > len(steady.step_times)
     assert jitter.extra["stop_reason"] == "max_seconds" and jitter.step_time_ci > 0.25
-    assert 5.0 <= jitter.measured_s < 5.0 + max(jitter.step_times) + 0.01
+    assert 8.0 <= jitter.measured_s < 8.0 + max(jitter.step_times) + 0.01
 
 
 # ---- the tie rule uses the intervals ---------------------------------------------------------------
