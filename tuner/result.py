@@ -64,7 +64,7 @@ class TrialResult:
     wall_s: float | None = None  # launch to exit, as the executor saw it
     # Beyond the public keys: evidence kept with the trial.
     error_kind: str | None = None  # e.g. exception class, "timeout", "budget", "worker_died"
-    losses: list[float] = field(default_factory=list)  # per step from the first, same seed and data
+    losses: list[float] = field(default_factory=list)  # steps warmup_steps.., same seed and data
     step_times: list[float] = field(default_factory=list)  # of the measured steps
     breakdown: dict[str, float] | None = None  # step-time seconds by category (with --profile)
     log_path: str | None = None

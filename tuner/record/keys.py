@@ -49,7 +49,7 @@ RESULT_KEYS = (
 
 # ---- evidence a trial keeps besides the result keys ----------------------------------------------
 ERROR_KIND = "error_kind"  # exception class, "timeout", "budget", "worker_died", ...
-LOSSES = "losses"  # per step from the first, same seed and data in every trial: the drift check compares them
+LOSSES = "losses"  # of training steps warmup_steps.., same seed and data in every trial: the drift check compares them
 STEP_TIMES = "step_times"  # of the measured steps
 BREAKDOWN = "breakdown"  # step-time seconds by category (a profiled trial)
 LOG_PATH = "log_path"

@@ -158,11 +158,12 @@ def plan_of(m: MeasureSpec) -> Plan:
 
 def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[Measurement, list[float]]:
     """Warm-up until the step time settles, then measured steps until the median's interval is
-    tight or the time cap passes; (the measurement, global losses of the first steps).
+    tight or the time cap passes; (the measurement, global losses of the compared steps).
 
-    The losses cover every step from the first, warm-up included, up to warmup_steps + steps: the
-    same training steps in every trial of a study, whatever each trial's warm-up took, so the
-    loss-drift check compares like with like."""
+    The losses are those of training steps warmup_steps .. warmup_steps + steps - 1 (as many of them
+    as ran): the same training steps in every trial of a study, whatever each trial's warm-up
+    took, so the loss-drift check compares like with like; and, as before adaptive warm-up, not
+    the first steps (a pipeline's very first step can report a nan loss and recover)."""
     m = train.recipe.measure
     fault = Fault(train.env.rank, train.device)
     clock = StepClock(spec.family, train.env.world_size, train.device)
@@ -175,13 +176,16 @@ def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[Measuremen
         fault.in_step(i)
         run.add(clock.stop())
         _check_budget(spec, baseline)
-        if i < m.warmup_steps + m.steps:
+        if m.warmup_steps <= i < m.warmup_steps + m.steps:
             local_losses.append(loss)
         i += 1
-    losses = train.global_losses(local_losses)
+    # A warm-up that settled early and a measurement that stopped early may end before the
+    # window: the last step's loss is the trial's loss then.
+    losses = train.global_losses(local_losses or [loss])
     for k, value in enumerate(losses):
         if not torch.isfinite(torch.tensor(value)):
-            raise FloatingPointError(f"loss is {value} at step {k}; try amp_dtype=bf16 or amp=O0")
+            step = m.warmup_steps + k
+            raise FloatingPointError(f"loss is {value} at step {step}; try amp_dtype=bf16 or amp=O0")
     return run, losses
 
 
