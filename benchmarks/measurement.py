@@ -4,6 +4,7 @@ measurement's interval covers its re-measurements, and the spread of one config 
 
     python benchmarks/measurement.py studies recipes/gpt-tiny.yaml --trials 12 --json out.json
     python benchmarks/measurement.py repeat recipes/gpt-tiny.yaml --times 5
+    python benchmarks/measurement.py pair recipes/gpt-tiny.yaml --repeats 2
 
 `studies` runs, one after the other in one process (so all see the same machine):
 - before: the measurement as it was (cold start, 2 warm-up + 5 measured steps, one re-measurement
@@ -173,6 +174,47 @@ def repeat(args) -> dict[str, Any]:
             "load_avg_1min": round(os.getloadavg()[0], 1)}  # fmt: skip
 
 
+def pair(args) -> list[dict[str, Any]]:
+    """The recipe's plain config, warm and cold start alternately (`--repeats` times each) through
+    the local runner: where a trial's overhead goes with and without the helper."""
+    from tuner.config import Config
+    from tuner.devices import resolve_family
+    from tuner.executors.local import prestart_helper, run_trial
+    from tuner.recipe import load_recipe
+    from tuner.result import TrialSpec
+
+    recipe = load_recipe(args.recipe)
+    prestart_helper()
+    tmp = tempfile.mkdtemp(prefix="tuner-measure-pair-")
+    rows = []
+    for i in range(args.repeats):
+        for warm_on in ("1", "0"):
+            spec = TrialSpec(
+                recipe=recipe.to_dict(),
+                config=Config(dp=recipe.hardware.devices).to_dict(),
+                family=resolve_family(recipe.hardware.device),
+                workdir=f"{tmp}/{i}-{warm_on}",
+                timeout_s=recipe.measure.timeout_s,
+                tag=f"{i}-{warm_on}",
+            )
+            r = run_trial(spec, env={"TUNER_WARM_START": warm_on})
+            timeline = r.extra.get("timeline", {})
+            rows.append(
+                {
+                    "start": r.extra.get("start"),
+                    "status": r.status,
+                    "overhead_s": r.overhead_s,
+                    "wall_s": r.wall_s,
+                    "rank0_ready_s": timeline.get("rank0_ready_s"),
+                    "cpu_at_rank0_ready_s": timeline.get("cpu_at_rank0_ready_s"),
+                    "warmup_s": r.extra.get("warmup_s"),
+                    "load_avg_1min": round(os.getloadavg()[0], 1),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -186,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("repeat", help="one config measured several times with `tuner measure`")
     r.add_argument("recipe")
     r.add_argument("--times", type=int, default=5)
+    w = sub.add_parser("pair", help="the plain config, warm and cold start alternately")
+    w.add_argument("recipe")
+    w.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
-    result = studies(args) if args.what == "studies" else repeat(args)
+    result = {"studies": studies, "repeat": repeat, "pair": pair}[args.what](args)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
