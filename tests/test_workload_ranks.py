@@ -69,7 +69,8 @@ def launch_ranks(
             "name": "tiny",
             "model": model or TINY | {"layers": layers},
             "train": train or {"global_batch_size": 8},
-            "measure": {"warmup_steps": 1, "steps": 3},
+            # Exactly 3 measured steps (no adaptive stop): the splits compare step for step.
+            "measure": {"warmup_steps": 1, "steps": 3, "target_ci": None},
         }
     )
     workdir.mkdir(parents=True, exist_ok=True)

@@ -175,8 +175,20 @@ class SearchSpec(_Section):
 
 
 class MeasureSpec(_Section):
-    warmup_steps: int = Field(2, ge=0, le=1000)
-    steps: int = Field(5, ge=1, le=10_000)
+    warmup_steps: int = Field(
+        8, ge=0, le=1000, description="Most warm-up steps; warm-up ends earlier once the step time settles."
+    )
+    steps: int = Field(5, ge=1, le=10_000, description="Fewest measured steps.")
+    target_ci: Real | None = Field(
+        0.03,
+        gt=0,
+        lt=1,
+        description="Measure until the 95% interval of the median step time is within this fraction "
+        "of it (null: exactly `steps` steps).",
+    )
+    max_seconds: Real = Field(
+        20, gt=0, description="Stop measuring after this many seconds of measured steps."
+    )
     timeout_s: Real = Field(300, gt=0, description="A trial running longer is killed (timeout).")
 
 
@@ -194,13 +206,23 @@ class Recipe(_Section):
             "model": self.model.hash_fields(),
             "train": self.train.model_dump(),
             "hardware": self.hardware.model_dump(),
-            "measure": self.measure.model_dump(exclude={"timeout_s"}),
+            "measure": _measure_hash_fields(self.measure),
         }
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def _measure_hash_fields(m: MeasureSpec) -> dict[str, Any]:
+    """The measure fields a study's key depends on. target_ci and max_seconds count only when set
+    away from their defaults, so the studies of recipes written before they existed keep their key."""
+    out = m.model_dump(exclude={"timeout_s", "target_ci", "max_seconds"})
+    for name in ("target_ci", "max_seconds"):
+        if getattr(m, name) != MeasureSpec.model_fields[name].default:
+            out[name] = getattr(m, name)
+    return out
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

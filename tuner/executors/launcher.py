@@ -1,7 +1,9 @@
 """The launcher of one trial, `python -m tuner.executors.launcher SPEC.json WORLD MODULE [--cpus 0,1]`:
 started by `run_trial` in a new session, it starts every rank of `python -m MODULE SPEC.json` with
 torchrun's environment variables, writes their output with rank prefixes to `trial.log`, ends the
-group when a rank fails, and records each rank's exit in `exits.json`. It imports no torch.
+group when a rank fails, and records each rank's exit in `exits.json`. Started cold it imports no
+torch; forked from the warm helper (`tuner.executors.warm`) it forks each rank from itself, torch
+already imported (`tuner.executors.forked`), and supervises them the same way.
 """
 
 from __future__ import annotations
@@ -142,7 +144,23 @@ class RankGroup:
         }
 
 
-def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> int:
+def _start_rank(rank: int, world: int, port: int, module: str, spec_path: str, fork: bool):
+    env = rank_env(rank, world, port)
+    if fork:
+        from tuner.executors.forked import fork_rank
+
+        return fork_rank(module, spec_path, env)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, spec_path],
+        env={**os.environ, **env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: die_with_parent(signal.SIGKILL),  # single-threaded here: safe
+    )
+
+
+def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None, fork: bool = False) -> int:
     parent = os.getppid()
     die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:  # the caller died before prctl took effect
@@ -153,31 +171,22 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> 
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     workdir = Path(spec_path).parent
     port = _free_port()
-    procs = {
-        rank: subprocess.Popen(
-            [sys.executable, "-m", module, spec_path],
-            env={**os.environ, **rank_env(rank, world, port)},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            preexec_fn=lambda: die_with_parent(signal.SIGKILL),  # single-threaded here: safe
-        )
-        for rank in range(world)
-    }
+    procs = {rank: _start_rank(rank, world, port, module, spec_path, fork) for rank in range(world)}
     group = RankGroup(procs, workdir, stopping)
     group.run()
     (workdir / "exits.json").write_text(json.dumps(group.record(port)))
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], fork: bool = False) -> int:
+    """`fork`: start the ranks by forking this process (the warm start) instead of new interpreters."""
     cpus = None
     if "--cpus" in argv:
         i = argv.index("--cpus")
         cpus = [int(c) for c in argv[i + 1].split(",")]
         argv = argv[:i] + argv[i + 2 :]
     spec_path, world, module = argv
-    return _launch(spec_path, int(world), module, cpus)
+    return _launch(spec_path, int(world), module, cpus, fork)
 
 
 if __name__ == "__main__":
