@@ -39,8 +39,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def drive(base: str, token: str, paths: list[str], concurrency: int, method: str = "GET", body=None) -> dict:
-    """Send every request in `paths` from `concurrency` threads; latency percentiles and rate."""
+def cpu_s(pid: int) -> float:
+    """CPU seconds process `pid` used so far (user + system): unlike latency, barely moved by
+    other work on the machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def drive(
+    base: str, token: str, paths: list[str], concurrency: int, method: str = "GET", body=None, pid: int | None = None
+) -> dict:
+    """Send every request in `paths` from `concurrency` threads; latency percentiles and rate, and
+    the server's CPU milliseconds per request when its `pid` is given."""
     lat: list[float] = []
     errors: list[int] = []
     lock = threading.Lock()
@@ -64,6 +74,7 @@ def drive(base: str, token: str, paths: list[str], concurrency: int, method: str
                     if r.status_code >= 400:
                         errors.append(r.status_code)
 
+    cpu0 = cpu_s(pid) if pid else None
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
@@ -78,6 +89,8 @@ def drive(base: str, token: str, paths: list[str], concurrency: int, method: str
         "p50_ms": round(1000 * statistics.median(lat), 1),
         "p99_ms": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1),
         "per_s": round(len(lat) / wall, 1),
+        "server_cpu_ms": round(1000 * (cpu_s(pid) - cpu0) / len(lat), 1) if pid else None,
+        "load": round(os.getloadavg()[0], 1),
     }
 
 
@@ -141,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.requests)
         ]
         rows = {
-            "GET /v1/jobs/ID/trials?limit=50": drive(base, token, pages, args.concurrency),
-            "GET /v1/jobs/ID": drive(base, token, [f"/v1/jobs/{job_id}"] * args.requests, args.concurrency),
+            "GET /v1/jobs/ID/trials?limit=50": drive(base, token, pages, args.concurrency, pid=server.pid),
+            "GET /v1/jobs/ID": drive(
+                base, token, [f"/v1/jobs/{job_id}"] * args.requests, args.concurrency, pid=server.pid
+            ),
             "POST /v1/jobs (YAML)": drive(
                 base,
                 token,
@@ -150,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.concurrency,
                 method="POST",
                 body=(ROOT / "recipes" / "gpt-tiny.yaml").read_bytes(),
+                pid=server.pid,
             ),
         }
     finally:
@@ -162,10 +178,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"endpoint": name, "database": db, "trials": args.trials, **r}))
         return 0
     print(f"{db}, {args.trials} trials stored, {args.concurrency} concurrent clients on loopback\n")
-    print("| endpoint | requests | errors | p50 ms | p99 ms | per second |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| endpoint | requests | errors | p50 ms | p99 ms | per second | server CPU ms/request | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
-        print(f"| {name} | {r['requests']} | {r['errors']} | {r['p50_ms']} | {r['p99_ms']} | {r['per_s']} |")
+        print(
+            f"| {name} | {r['requests']} | {r['errors']} | {r['p50_ms']} | {r['p99_ms']} | {r['per_s']} "
+            f"| {r['server_cpu_ms']} | {r['load']} |"
+        )
     return 0
 
 

@@ -78,3 +78,14 @@ def test_without_the_setting_nothing_is_logged_and_a_broken_store_does_not_stop_
         executor=FakeExecutor(), workdir=tmp_path, trials=2, remeasure_top=0,
     )  # fmt: skip
     assert summary.best is not None
+
+
+def test_the_tracking_uri_setting_is_made_absolute_for_a_folder_and_kept_for_a_server(tmp_path):
+    from tuner.settings import mlflow_tracking_uri
+
+    assert mlflow_tracking_uri({}) is None
+    assert (
+        mlflow_tracking_uri({"TUNER_MLFLOW_TRACKING_URI": "mlruns"}, cwd=tmp_path)
+        == (tmp_path / "mlruns").as_uri()
+    )
+    assert mlflow_tracking_uri({"TUNER_MLFLOW_TRACKING_URI": "http://mlflow:5000"}) == "http://mlflow:5000"
