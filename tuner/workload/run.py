@@ -178,6 +178,7 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
 
 
 def _result(train: Training, spec: TrialSpec, times, losses, memory, report, ranks) -> TrialResult:
+    """Rank 0's TrialResult; `memory` is run_rank's worst-rank reading ({} when not measured)."""
     recipe, world = train.recipe, train.env.world_size
     median = statistics.median(times)
     dtype = matmul_dtype_name(train.config)
@@ -192,10 +193,11 @@ def _result(train: Training, spec: TrialSpec, times, losses, memory, report, ran
         samples_per_s=gbs / median,
         tflops=tflops,
         mfu=tflops / peak if peak else None,
-        peak_mem_allocated_bytes=memory["allocated"],
-        peak_mem_reserved_bytes=memory["reserved"],
-        peak_mem_active_bytes=None if memory["active"] < 0 else memory["active"],
-        mem_fragmentation_bytes=None if memory["fragmentation"] < 0 else memory["fragmentation"],
+        peak_mem_allocated_bytes=memory.get("allocated"),
+        peak_mem_reserved_bytes=memory.get("reserved"),
+        # -1 stands for "not reported" (see run_rank)
+        peak_mem_active_bytes=None if memory.get("active", -1) < 0 else memory["active"],
+        mem_fragmentation_bytes=None if memory.get("fragmentation", -1) < 0 else memory["fragmentation"],
         estimated_peak_mem_bytes=spec.estimated_peak_mem_bytes,
         loss=losses[-1],
         losses=losses,
