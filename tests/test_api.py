@@ -283,6 +283,10 @@ def test_trials_page_fast_over_ten_thousand_trials(client, auth, url):
     assert first["config"]["micro_batch_size"] == 2 and first["status"] == "ok" and first["duration_s"] == 1.0
     nxt = client.get(f"{base}?limit=50&cursor={page['next_cursor']}", headers=auth).json()
     assert nxt["items"][0]["number"] == 50
+    # Items are built by hand for speed: exactly what the TrialPublic model would send.
+    from api.schemas import TrialPublic
+
+    assert all(TrialPublic(**t).model_dump(mode="json") == t for t in page["items"] + nxt["items"])
 
     fastest = client.get(f"{base}?limit=3&sort=-tokens_per_s", headers=auth).json()["items"]
     assert [t["number"] for t in fastest] == [9998, 9997, 9996]

@@ -167,6 +167,11 @@ class SearchSpec(_Section):
     overrides: dict[str, list[Any]] = Field(
         default_factory=dict, description="Narrow a knob's domain: {knob: [values]}."
     )
+    reuse: bool = Field(
+        True,
+        description="A job reuses the measured trials of earlier runs of the same recipe on the same "
+        "devices and software (one study per recipe hash and fingerprint); false: a fresh study.",
+    )
 
 
 class MeasureSpec(_Section):
