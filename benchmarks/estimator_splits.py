@@ -4,7 +4,8 @@ Runs each recipe's every split of 2 ranks (dp ddp, dp fsdp, tp, tp with sequence
 with a few knob variants through the local executor, and reports the estimator's error
 (estimated - measured peak, % of measured) per split: median |error| and the worst.
 
-    python benchmarks/estimator_splits.py recipes/gpt-tiny.yaml recipes/llama-tiny.yaml
+    python benchmarks/estimator_splits.py recipes/gpt-tiny.yaml
+    python benchmarks/estimator_splits.py recipes/llama-tiny.yaml --variants mbs4 mbs2-full0.5 mbs8-selective-flash
 
 Peaks are resident-set growth per rank on CPU (max over ranks), so other load on the machine
 does not change them; only the wall time grows.
@@ -34,13 +35,18 @@ VARIANTS = {
         "recompute": "selective",
         "attention": "flash",
     },
+    # fp32 counterparts, for models whose bf16 trials outlast the timeout on a loaded CPU
+    "mbs2-full0.5": {"micro_batch_size": 2, "recompute": "full", "recompute_layers": 0.5},
+    "mbs8-selective-flash": {"micro_batch_size": 8, "recompute": "selective", "attention": "flash"},
 }
+DEFAULT_VARIANTS = ("mbs4", "mbs2-O1-full0.5", "mbs8-O2-selective-flash")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("recipes", nargs="+")
     ap.add_argument("--json", help="write every trial's numbers here")
+    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     args = ap.parse_args()
 
     from tuner.config import Config
@@ -60,7 +66,8 @@ def main() -> None:
         )
         for split, knobs in SPLITS.items():
             errors = []
-            for variant, extra in VARIANTS.items():
+            for variant in args.variants:
+                extra = VARIANTS[variant]
                 config = Config.from_params(knobs | extra)
                 workdir = tmp / f"{recipe.name}-{split}-{variant}"
                 spec = TrialSpec(

@@ -118,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         else None,
         "estimator_error_pct_worst": round(max(est_err, key=abs), 1) if est_err else None,
         "estimator_error_pct_by_split": {
-            k: {"n": len(v), "median_abs": round(statistics.median(abs(e) for e in v), 1),
-                "worst": round(max(v, key=abs), 1)}
+            k: {
+                "n": len(v),
+                "median_abs": round(statistics.median(abs(e) for e in v), 1),
+                "worst": round(max(v, key=abs), 1),
+            }
             for k, v in sorted(by_split.items())
         },  # fmt: skip
         "best_config": summary.best.config if summary.best else None,

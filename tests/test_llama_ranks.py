@@ -64,7 +64,7 @@ def test_every_split_trains_the_same_model_as_one_process(tmp_path, cache_dir, s
         assert all(r["fsdp"] and r["params"] == pytest.approx(total / 2, rel=0.02) for r in ranks)
 
 
-# Parameters and Adam state dominate: 2 wide blocks, short sequences, one sample per step.
+# Parameters and Adam state dominate: 4 wide blocks, short sequences, one sample per step.
 HEAVY = {
     "family": "llama",
     "layers": 4,
