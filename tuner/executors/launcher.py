@@ -1,5 +1,6 @@
-"""The launcher of one trial, `python -m tuner.executors.launcher SPEC.json WORLD MODULE [--cpus 0,1]`:
-started by `run_trial` in a new session, it starts every rank of `python -m MODULE SPEC.json` with
+"""The launcher of one trial, `python -m tuner.executors.launcher SPEC.json WORLD MODULE [--cpus 0,1]
+[--node NODE_RANK,NNODES,ADDR,PORT]`: started by `run_trial` in a new session, it starts every rank
+(of this node, for a multi-node trial) of `python -m MODULE SPEC.json` with
 torchrun's environment variables, writes their output with rank prefixes to `trial.log`, ends the
 group when a rank fails, and records each rank's exit in `exits.json`. It imports no torch.
 """
@@ -17,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from tuner.executors.nodes import NodePart, rank_env
 from tuner.executors.session import TERM_GRACE_S, die_with_parent
 
 # After the first rank fails, the others get this long to fail on their own (and write their error
@@ -45,20 +47,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """torchrun's environment for one rank of a single-host trial."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONFAULTHANDLER": "1",
-    }
 
 
 class RankGroup:
@@ -129,10 +117,11 @@ class RankGroup:
             for p in alive:
                 p.kill()
 
-    def record(self, port: int) -> dict:
+    def record(self, port: int, node: NodePart | None) -> dict:
         return {
             "session": os.getsid(0),
             "world_size": len(self.procs),
+            "node_rank": 0 if node is None else node.node_rank,
             "port": port,
             "exits": self.exits,
             "first_output": self.first_output,
@@ -142,8 +131,10 @@ class RankGroup:
         }
 
 
-def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> int:
-    parent = os.getppid()
+def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None, node: NodePart | None) -> int:
+    # The caller says who it is: had it died while this interpreter was still starting, getppid()
+    # would already name init, and the check below would wrongly pass.
+    parent = int(os.environ.get("TUNER_LAUNCHER_PARENT") or os.getppid())
     die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:  # the caller died before prctl took effect
         return 1
@@ -152,32 +143,43 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None) -> 
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     workdir = Path(spec_path).parent
-    port = _free_port()
+    port = _free_port() if node is None else node.master_port
+    ranks = range(world) if node is None else node.ranks(world)
     procs = {
         rank: subprocess.Popen(
             [sys.executable, "-m", module, spec_path],
-            env={**os.environ, **rank_env(rank, world, port)},
+            env={**os.environ, **rank_env(rank, world, port, node)},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             preexec_fn=lambda: die_with_parent(signal.SIGKILL),  # single-threaded here: safe
         )
-        for rank in range(world)
+        for rank in ranks
     }
     group = RankGroup(procs, workdir, stopping)
     group.run()
-    (workdir / "exits.json").write_text(json.dumps(group.record(port)))
+    (workdir / "exits.json").write_text(json.dumps(group.record(port, node)))
     return 0
 
 
+def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    if name not in argv:
+        return None, argv
+    i = argv.index(name)
+    return argv[i + 1], argv[:i] + argv[i + 2 :]
+
+
 def main(argv: list[str]) -> int:
-    cpus = None
-    if "--cpus" in argv:
-        i = argv.index("--cpus")
-        cpus = [int(c) for c in argv[i + 1].split(",")]
-        argv = argv[:i] + argv[i + 2 :]
+    cpus, argv = _option(argv, "--cpus")
+    node, argv = _option(argv, "--node")  # this node's share of a multi-node trial (NodePart.to_arg)
     spec_path, world, module = argv
-    return _launch(spec_path, int(world), module, cpus)
+    return _launch(
+        spec_path,
+        int(world),
+        module,
+        [int(c) for c in cpus.split(",")] if cpus else None,
+        NodePart.from_arg(node) if node else None,
+    )
 
 
 if __name__ == "__main__":
