@@ -55,8 +55,10 @@ def start_ray_runtime(num_gpus: int = 0):
 
 
 def trial_pids(spec: TrialSpec) -> list[int]:
-    """Live processes of this trial: its launcher and ranks all name the trial's spec file."""
-    needle = os.path.join(spec.workdir, "spec.json").encode()
+    """Live processes of this trial: its launcher and ranks all run in the trial's directory (and,
+    started cold, name its spec file; forked from the warm helper they carry the helper's command line)."""
+    workdir = os.path.abspath(spec.workdir)
+    needle = os.path.join(workdir, "spec.json").encode()
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -64,9 +66,10 @@ def trial_pids(spec: TrialSpec) -> list[int]:
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cwd = os.readlink(f"/proc/{entry}/cwd")
         except OSError:
             continue
-        if needle in cmdline and state != "Z":
+        if (needle in cmdline or cwd == workdir) and state != "Z":
             pids.append(int(entry))
     return pids
 

@@ -87,9 +87,11 @@ def trial_session(workdir: str | Path) -> int:
     return json.loads((Path(workdir) / "exits.json").read_text())["session"]
 
 
-def test_standin_ok_fills_result(standin):
-    res = run_trial(make_spec(standin, "ok"))
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_standin_ok_fills_result(standin, start):
+    res = run_trial(make_spec(standin, "ok"), env={"TUNER_WARM_START": "1" if start == "warm" else "0"})
     assert res.status == "ok", res.error
+    assert res.extra["start"] == start
     assert res.tag == "ok" and res.node and res.wall_s > 0
     assert "[rank1] rank 1 of 2" in res.log_tail
     assert Path(res.log_path).name == "trial.log"
@@ -123,6 +125,39 @@ def test_standin_failure_kills_waiting_peer(standin, fault, status, text):
     assert text in res.error
     # rank 0 waits forever; the group is killed after the failure grace, not at the 60 s timeout.
     assert time.monotonic() - t0 < local.FAIL_GRACE_S + local.TERM_GRACE_S + 5
+
+
+def test_killing_the_warm_helper_between_trials_costs_no_trial(standin):
+    from tuner.executors import warm
+
+    first = run_trial(make_spec(standin, "before"))
+    helper = warm.shared_helper(local.trial_env())
+    assert first.status == "ok" and first.extra["start"] == "warm"
+    os.kill(helper.pid, 9)
+    helper.proc.wait()
+    second = run_trial(make_spec(standin, "after"))
+    assert second.status == "ok", second.error
+    assert second.extra["start"] == "warm"  # a new helper, not a cold start
+    assert warm.shared_helper(local.trial_env()).pid != helper.pid
+
+
+def test_warm_ranks_are_fresh_processes_of_the_trials_own_session(standin):
+    from tuner.executors import warm
+
+    script = standin / "standin_rank.py"
+    script.write_text("import os\nprint('ids', os.getpid(), os.getsid(0))\n" + STANDIN)
+    results = [run_trial(make_spec(standin, f"fresh-{i}")) for i in range(2)]
+    helper = warm.shared_helper(local.trial_env())
+    ids = [
+        tuple(map(int, line.split("ids ")[1].split()))
+        for r in results
+        for line in r.log_tail.splitlines()
+        if "ids " in line
+    ]
+    assert len(ids) == 4 and len({pid for pid, _ in ids}) == 4  # no rank process is reused
+    for r in results:
+        assert {sid for pid, sid in ids if f"ids {pid} " in r.log_tail} == {r.extra["session"]}
+        assert r.extra["session"] != os.getsid(helper.pid) and session_pids(r.extra["session"]) == []
 
 
 def test_port_clash_is_retried_once(standin):
@@ -235,11 +270,19 @@ def real_trials(tmp_path_factory):
         return dict(zip(REAL_FAULTS, pool.map(one, REAL_FAULTS), strict=True))
 
 
+@pytest.mark.parametrize("name", list(REAL_FAULTS))
+def test_real_trials_start_warm(real_trials, name):
+    assert real_trials[name].extra["start"] == "warm"
+
+
 def test_real_ok_trial_reports_the_design_keys(real_trials):
     res = real_trials["ok"]
     assert res.status == "ok", res.error
     assert res.step_time_s > 0 and res.tokens_per_s > 0 and res.peak_mem_reserved_bytes > 0
+    # The losses of training steps warmup_steps .. warmup_steps + steps - 1: the same in every trial.
     assert len(res.losses) == 2 and all(v == v for v in res.losses)
+    assert len(res.step_times) >= 2
+    assert res.step_time_ci is None or res.step_time_ci >= 0
     assert res.wall_s > res.measured_s > 0
     assert "[rank0] ok: step" in res.log_tail
 

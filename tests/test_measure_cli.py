@@ -133,6 +133,8 @@ def test_json_profile_and_derived_split(recipe, tmp_path):
     assert list(doc) == [*RESULT_KEYS, "extra"]
     assert doc["status"] == "ok", doc["error"]
     assert doc["step_time_s"] > 0 and doc["tokens_per_s"] > 0 and doc["estimated_peak_mem_bytes"] > 0
+    assert doc["wall_s"] > doc["measured_s"] > 0
+    assert doc["step_time_ci"] is None or doc["step_time_ci"] >= 0
     assert (doc["extra"]["config"]["dp"], doc["extra"]["config"]["tp"]) == (1, 2)
     # Each rank really held half of every block's matmul weights.
     assert {r["coords"]["tp"] for r in doc["extra"]["ranks"]} == {0, 1}

@@ -145,6 +145,7 @@ def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_pat
     t0 = time.monotonic()
     after = executor.run(tiny_spec(tmp_path, "after"))
     assert after.status == "ok", after.error
+    assert after.extra["start"] == "warm"  # forked from the new worker's own helper
     assert after.extra["ray_node_id"] == where["ray_node_id"]
     assert after.extra["ray_node_ip"] and after.node
     assert len(after.extra["cores"]) == 1

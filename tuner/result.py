@@ -48,6 +48,7 @@ class TrialResult:
     status: Status  # a measured status word (tuner.record.status.MEASURED) when it ran
     step_time_s: float | None = None
     step_time_spread: float | None = None
+    step_time_ci: float | None = None  # relative half-width of the median's 95% interval
     tokens_per_s: float | None = None
     samples_per_s: float | None = None
     tflops: float | None = None
@@ -59,12 +60,12 @@ class TrialResult:
     estimated_peak_mem_bytes: int | None = None
     loss: float | None = None
     error: str | None = None
+    measured_s: float | None = None  # time inside measured steps
+    wall_s: float | None = None  # launch to exit, as the executor saw it
     # Beyond the public keys: evidence kept with the trial.
     error_kind: str | None = None  # e.g. exception class, "timeout", "budget", "worker_died"
-    losses: list[float] = field(default_factory=list)  # per measured step, same seed and data
-    step_times: list[float] = field(default_factory=list)
-    wall_s: float | None = None  # launch to exit, as the executor saw it
-    measured_s: float | None = None  # time inside measured steps
+    losses: list[float] = field(default_factory=list)  # steps warmup_steps.., same seed and data
+    step_times: list[float] = field(default_factory=list)  # of the measured steps
     breakdown: dict[str, float] | None = None  # step-time seconds by category (with --profile)
     log_path: str | None = None
     log_tail: str | None = None

@@ -217,7 +217,9 @@ def _fmt(key: str, value: Any) -> str:
         return "-"
     if key == "step_time_s":
         return f"{value * 1e3:.1f} ms"
-    if key in ("step_time_spread", "mfu"):
+    if key in ("measured_s", "wall_s"):
+        return f"{value:.2f} s"
+    if key in ("step_time_spread", "step_time_ci", "mfu"):
         return f"{value:.1%}"
     if key == "tokens_per_s":
         return f"{value:,.0f} tokens/s"

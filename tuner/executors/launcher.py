@@ -2,7 +2,9 @@
 [--node NODE_RANK,NNODES,ADDR,PORT]`: started by `run_trial` in a new session, it starts every rank
 (of this node, for a multi-node trial) of `python -m MODULE SPEC.json` with
 torchrun's environment variables, writes their output with rank prefixes to `trial.log`, ends the
-group when a rank fails, and records each rank's exit in `exits.json`. It imports no torch.
+group when a rank fails, and records each rank's exit in `exits.json`. Started cold it imports no
+torch; forked from the warm helper (`tuner.executors.warm`) it forks each rank from itself, torch
+already imported (`tuner.executors.forked`), and supervises them the same way.
 """
 
 from __future__ import annotations
@@ -131,10 +133,36 @@ class RankGroup:
         }
 
 
-def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None, node: NodePart | None) -> int:
-    # The caller says who it is: had it died while this interpreter was still starting, getppid()
-    # would already name init, and the check below would wrongly pass.
-    parent = int(os.environ.get("TUNER_LAUNCHER_PARENT") or os.getppid())
+def _start_rank(
+    rank: int, world: int, port: int, module: str, spec_path: str, fork: bool, node: NodePart | None
+):
+    env = rank_env(rank, world, port, node)
+    if fork:
+        from tuner.executors.forked import fork_rank
+
+        return fork_rank(module, spec_path, env)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, spec_path],
+        env={**os.environ, **env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: die_with_parent(signal.SIGKILL),  # single-threaded here: safe
+    )
+
+
+def _launch(
+    spec_path: str,
+    world: int,
+    module: str,
+    cpus: list[int] | None,
+    fork: bool = False,
+    node: NodePart | None = None,
+) -> int:
+    # A cold launcher is told who started it: had its caller died while this interpreter was still
+    # starting, getppid() would already name init, and the check below would wrongly pass. (A warm
+    # one is forked, so getppid() is its helper from the first instruction.)
+    parent = int(os.environ.pop("TUNER_LAUNCHER_PARENT", "") or os.getppid())
     die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:  # the caller died before prctl took effect
         return 1
@@ -145,17 +173,7 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None, nod
     workdir = Path(spec_path).parent
     port = _free_port() if node is None else node.master_port
     ranks = range(world) if node is None else node.ranks(world)
-    procs = {
-        rank: subprocess.Popen(
-            [sys.executable, "-m", module, spec_path],
-            env={**os.environ, **rank_env(rank, world, port, node)},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            preexec_fn=lambda: die_with_parent(signal.SIGKILL),  # single-threaded here: safe
-        )
-        for rank in ranks
-    }
+    procs = {rank: _start_rank(rank, world, port, module, spec_path, fork, node) for rank in ranks}
     group = RankGroup(procs, workdir, stopping)
     group.run()
     (workdir / "exits.json").write_text(json.dumps(group.record(port, node)))
@@ -169,7 +187,8 @@ def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
     return argv[i + 1], argv[:i] + argv[i + 2 :]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], fork: bool = False) -> int:
+    """`fork`: start the ranks by forking this process (the warm start) instead of new interpreters."""
     cpus, argv = _option(argv, "--cpus")
     node, argv = _option(argv, "--node")  # this node's share of a multi-node trial (NodePart.to_arg)
     spec_path, world, module = argv
@@ -178,6 +197,7 @@ def main(argv: list[str]) -> int:
         int(world),
         module,
         [int(c) for c in cpus.split(",")] if cpus else None,
+        fork,
         NodePart.from_arg(node) if node else None,
     )
 

@@ -3,7 +3,9 @@
 flight without sharing a device. `run_trial` is also what the Ray executor calls on a remote node.
 
 The caller owns the deadline and kills the whole session. Skipping torchrun's elastic agent saves
-one torch import per trial; the ranks see torchrun's environment all the same.
+one torch import per trial; the ranks see torchrun's environment all the same. By default the
+launcher is forked from this process's warm helper (`tuner.executors.warm`: torch already
+imported); without one (TUNER_WARM_START=0, or a helper that cannot start) it starts cold.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from tuner.executors import warm
 from tuner.executors.base import Executor
 from tuner.executors.launcher import FAIL_GRACE_S  # noqa: F401 - the grace a failing trial gets, for callers
 from tuner.executors.nodes import NodePart
@@ -62,18 +65,16 @@ def run_trial(
         cmd += ["--cpus", ",".join(str(c) for c in cpus)]
     if node is not None:
         cmd += ["--node", node.to_arg()]
-    child_env = {**os.environ, **(env or {})}
-    # The ranks must import this same `tuner`, wherever the caller found it.
-    package_root = str(Path(__file__).resolve().parents[2])
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
-    child_env["TUNER_LAUNCHER_PARENT"] = str(os.getpid())  # see launcher._launch
+    child_env = trial_env(env)
 
     start = time.monotonic()
     measures = node is None or node.node_rank == 0
     # A multi-node trial's port is chosen by node 0's Ray task, known to every node: no retry here.
     retries = PORT_RETRIES if node is None else 0
+    # A build's rank (`module`) times its compiler from a fresh interpreter: always cold.
+    helper = warm.shared_helper(child_env) if module is None and warm.enabled(child_env) else None
     for attempt in range(1 + retries):
-        result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop, measures)
+        result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop, helper, measures)
         # The rendezvous port is free when the launcher picks it but only bound seconds later,
         # once rank 0 has imported torch; another process may take it in between.
         clash = "address already in use" in f"{result.error} {result.log_tail}".lower()
@@ -84,12 +85,30 @@ def run_trial(
     return _finish(spec, result, start)
 
 
+def trial_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a trial's processes: this one's, `env` on top, and this `tuner` importable."""
+    child_env = {**os.environ, **(env or {})}
+    # The ranks must import this same `tuner`, wherever the caller found it.
+    package_root = str(Path(__file__).resolve().parents[2])
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
+    return child_env
+
+
+def prestart_helper(env: dict[str, str] | None = None) -> None:
+    """Start this process's warm helper now (it imports torch in the background), so that the
+    first trial finds it ready."""
+    child_env = trial_env(env)
+    if warm.enabled(child_env):
+        warm.shared_helper(child_env)
+
+
 def _run_once(
     spec: TrialSpec,
     cmd: list[str],
     env: dict[str, str],
     deadline: float,
     stop: threading.Event | None,
+    helper: warm.WarmHelper | None,
     measures: bool = True,
 ) -> TrialResult:
     workdir = Path(spec.workdir)
@@ -97,28 +116,45 @@ def _run_once(
         stale.unlink(missing_ok=True)
     log_path = workdir / "trial.log"
     started_at = time.time()
-    try:
-        with open(workdir / "launcher.log", "wb") as launcher_log:
-            launcher = subprocess.Popen(
-                cmd,
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=launcher_log,
-                start_new_session=True,
+    launcher, how = None, "cold"
+    (workdir / "launcher.log").write_bytes(b"")
+    if helper is not None:
+        try:
+            # cmd is [python, -m, tuner.executors.launcher, ARGS...]: the helper runs the same.
+            launcher = helper.launch(cmd[3:], env, str(workdir), str(workdir / "launcher.log"))
+            how = "warm"
+        except warm.Unavailable as err:
+            how = f"cold ({err})"
+    if launcher is None:
+        try:
+            launcher = _start_cold(cmd, env, workdir)
+        except OSError as err:
+            return TrialResult(
+                status=ERROR, error_kind="launch", error=f"cannot start the trial launcher: {err}"
             )
-    except OSError as err:
-        return TrialResult(status=ERROR, error_kind="launch", error=f"cannot start the trial launcher: {err}")
     ended = _supervise(launcher, deadline, stop)
     result = classify(spec, workdir, launcher.returncode, ended, expect_result=measures)
     result.extra["session"] = launcher.pid  # the trial's session id (its launcher leads it)
+    result.extra["start"] = how
     timeline = _timeline(workdir, started_at)
     if timeline:
         result.extra["timeline"] = timeline
     result.log_path = str(log_path)
     result.log_tail = tail(log_path, LOG_TAIL_LINES)
     return result
+
+
+def _start_cold(cmd: list[str], env: dict[str, str], workdir: Path) -> subprocess.Popen:
+    with open(workdir / "launcher.log", "wb") as launcher_log:
+        return subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            env={**env, "TUNER_LAUNCHER_PARENT": str(os.getpid())},  # see launcher._launch
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=launcher_log,
+            start_new_session=True,
+        )
 
 
 def _timeline(workdir: Path, started_at: float) -> dict[str, float]:
@@ -169,7 +205,9 @@ def _finish(spec: TrialSpec, result: TrialResult, start: float) -> TrialResult:
     return result
 
 
-def _supervise(launcher: subprocess.Popen, deadline: float, stop: threading.Event | None) -> str:
+def _supervise(
+    launcher: subprocess.Popen | warm.WarmProcess, deadline: float, stop: threading.Event | None
+) -> str:
     """Wait for the launcher; on deadline or `stop`, kill its whole session. Returns how it ended."""
     while True:
         try:
@@ -211,6 +249,7 @@ class LocalExecutor(Executor):
         self._running: dict[str, tuple[TrialSpec, threading.Thread, threading.Event]] = {}
         self._held: dict[str, tuple[str, list[int]]] = {}  # tag -> (family, device or core ids)
         self._finished: queue.Queue[TrialResult] = queue.Queue()
+        prestart_helper(env)
 
     def _devices(self, family: str) -> list[int]:
         if family == "cpu":

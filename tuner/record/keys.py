@@ -10,6 +10,7 @@ from __future__ import annotations
 STATUS = "status"
 STEP_TIME_S = "step_time_s"
 STEP_TIME_SPREAD = "step_time_spread"
+STEP_TIME_CI = "step_time_ci"  # relative half-width of the 95% interval of the median step time
 TOKENS_PER_S = "tokens_per_s"
 SAMPLES_PER_S = "samples_per_s"
 TFLOPS = "tflops"
@@ -23,11 +24,14 @@ MEM_FRAGMENTATION_BYTES = "mem_fragmentation_bytes"
 ESTIMATED_PEAK_MEM_BYTES = "estimated_peak_mem_bytes"
 LOSS = "loss"
 ERROR = "error"
+MEASURED_S = "measured_s"  # time inside the measured steps
+WALL_S = "wall_s"  # launch to exit, as the executor saw it
 
 RESULT_KEYS = (
     STATUS,
     STEP_TIME_S,
     STEP_TIME_SPREAD,
+    STEP_TIME_CI,
     TOKENS_PER_S,
     SAMPLES_PER_S,
     TFLOPS,
@@ -39,33 +43,21 @@ RESULT_KEYS = (
     ESTIMATED_PEAK_MEM_BYTES,
     LOSS,
     ERROR,
+    MEASURED_S,
+    WALL_S,
 )
 
 # ---- evidence a trial keeps besides the result keys ----------------------------------------------
 ERROR_KIND = "error_kind"  # exception class, "timeout", "budget", "worker_died", ...
-LOSSES = "losses"  # per measured step, same seed and data in every trial: the drift check compares them
-STEP_TIMES = "step_times"
-WALL_S = "wall_s"  # launch to exit, as the executor saw it
-MEASURED_S = "measured_s"  # time inside the measured steps
+LOSSES = "losses"  # of training steps warmup_steps.., same seed and data in every trial: the drift check compares them
+STEP_TIMES = "step_times"  # of the measured steps
 BREAKDOWN = "breakdown"  # step-time seconds by category (a profiled trial)
 LOG_PATH = "log_path"
 LOG_TAIL = "log_tail"
 NODE = "node"
 NODES = "nodes"  # distinct nodes the trial's ranks ran on
 RANK_NODES = "rank_nodes"  # each rank's node id, by rank: which ranks shared a node
-EVIDENCE_KEYS = (
-    ERROR_KIND,
-    LOSSES,
-    STEP_TIMES,
-    WALL_S,
-    MEASURED_S,
-    BREAKDOWN,
-    LOG_PATH,
-    LOG_TAIL,
-    NODE,
-    NODES,
-    RANK_NODES,
-)
+EVIDENCE_KEYS = (ERROR_KIND, LOSSES, STEP_TIMES, BREAKDOWN, LOG_PATH, LOG_TAIL, NODE, NODES, RANK_NODES)
 
 # ---- what the study driver records about a trial -------------------------------------------------
 ROLE = "role"  # why the trial ran: baseline, fp32_reference, warm_start, previous_best, retry, ...

@@ -34,6 +34,10 @@ class Ranked:
     loss_drift: float | None = None
     loss_reference_trial: int | None = None
     flag: str | None = None  # why it cannot win (loss drift)
+    # Relative half-width of the throughput's 95% interval: the first measurement's interval of the
+    # median step time, widened to half the spread over re-measurements. None for trials measured
+    # before intervals existed (the tie rule then falls back to `noise`).
+    ci: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,10 +63,15 @@ class Ranking:
 
     @property
     def tie(self) -> bool:
-        """The winner is within the measurement noise of the runner-up: either is fine."""
+        """The winner is within the measurement noise of the runner-up: either is fine.
+
+        With intervals: the two throughput intervals overlap. Without (older trials): the gap is
+        within the larger noise (spread) of the two."""
         best, second = self.best, self.runner_up
         if best is None or second is None:
             return False
+        if best.ci is not None and second.ci is not None:
+            return best.tokens_per_s * (1 - best.ci) <= second.tokens_per_s * (1 + second.ci)
         gap = (best.tokens_per_s - second.tokens_per_s) / best.tokens_per_s
         return gap <= max(best.noise, second.noise)
 
@@ -81,6 +90,7 @@ def ranked(t: TrialRecord, again: Sequence[float]) -> Ranked:
     """`t` with its measurements folded into one median (it must have completed with a throughput)."""
     measured = [t.tokens_per_s, *again] if t.tokens_per_s is not None else list(again)
     config = t.config()
+    ci = t.attrs.get(keys.STEP_TIME_CI)
     return Ranked(
         trial=t.number,
         config=config.active_params() if config is not None else dict(t.params),
@@ -90,6 +100,7 @@ def ranked(t: TrialRecord, again: Sequence[float]) -> Ranked:
         metrics={k: t.attrs.get(k) for k in keys.RESULT_KEYS},
         role=t.role,
         constraint_ok=t.constraint_ok,
+        ci=max(ci, _relative_spread(measured) / 2) if ci is not None else None,
     )
 
 

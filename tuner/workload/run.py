@@ -4,6 +4,10 @@
 Test hooks, environment variables honoured by the step loop (tests and the nightly check use
 them to make a trial slow or fail on purpose):
 - `TUNER_TEST_STEP_DELAY_S=<seconds>`: sleep that long inside every step.
+- `TUNER_TEST_STEP_JITTER_S=<seconds>`: and a random extra sleep (exponential, that mean) in every
+  step, so step times are noisy and the adaptive measurement needs more steps.
+- `TUNER_TEST_MEASURE_MAX_S=<seconds>`: cap `measure.max_seconds` (the test suite sets it so that
+  trials which never reach `measure.target_ci` on a loaded machine stay short).
 - `TUNER_TEST_FAULT=raise|hang|segfault|alloc:<MiB>`: in the first step, raise a RuntimeError,
   sleep forever, die of SIGSEGV, or allocate and hold that many MiB (trips the memory budget).
 - `TUNER_TEST_FAULT_RANK=<rank>`: the rank the fault hits (default 0).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import statistics
 import sys
@@ -38,8 +43,10 @@ from tuner.devices import (
     reset_peak_memory,
     synchronize,
 )
+from tuner.recipe import MeasureSpec
 from tuner.record.status import ERROR, OK, OOM
 from tuner.result import TrialResult, TrialSpec
+from tuner.workload.adaptive import Measurement, Plan
 from tuner.workload.flops import flops_per_step
 from tuner.workload.parallel import RankEnv, set_rank_threads
 from tuner.workload.precision import matmul_dtype_name
@@ -60,14 +67,17 @@ class Fault:
         self.device = device
         self.kind = os.environ.get("TUNER_TEST_FAULT", "")
         self.delay_s = float(os.environ.get("TUNER_TEST_STEP_DELAY_S", "0") or 0)
+        self.jitter_s = float(os.environ.get("TUNER_TEST_STEP_JITTER_S", "0") or 0)
+        self._random = random.Random(rank)
         target = int(os.environ.get("TUNER_TEST_FAULT_RANK", "0") or 0)
         if rank != target:
             self.kind = ""
         self.held: torch.Tensor | None = None
 
     def in_step(self, step: int) -> None:
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        jitter = self._random.expovariate(1 / self.jitter_s) if self.jitter_s else 0.0
+        if self.delay_s or jitter:
+            time.sleep(self.delay_s + jitter)
         if step != 0 or not self.kind:
             return
         if self.kind == "raise":
@@ -110,28 +120,73 @@ def _max_over_ranks(values: list[int], world: int, device: torch.device) -> list
     return [int(v) for v in t.tolist()]
 
 
-def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[list[float], list[float]]:
-    """Warm-up then measured steps; (step times, global losses) of the measured steps."""
+class StepClock:
+    """Times one step: the device's own events where it has them (CUDA/NPU), else a synchronised
+    host clock; with several ranks, every rank gets the slowest rank's time (one tiny all-reduce
+    outside the timed region), so all of them take the same stop decision."""
+
+    def __init__(self, family: str, world: int, device: torch.device):
+        self.family, self.world, self.device = family, world, device
+        mod = getattr(torch, family, None) if family in ("cuda", "npu") else None
+        self._events = mod.Event if mod is not None and hasattr(mod, "Event") else None
+
+    def start(self) -> None:
+        synchronize(self.family)
+        if self._events is not None:
+            self._begin, self._end = self._events(enable_timing=True), self._events(enable_timing=True)
+            self._begin.record()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self._events is not None:
+            self._end.record()
+        synchronize(self.family)
+        dt = time.perf_counter() - self._t0
+        if self._events is not None:
+            dt = self._begin.elapsed_time(self._end) / 1e3
+        if self.world > 1:
+            t = torch.tensor([dt], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dt = float(t.item())
+        return dt
+
+
+def plan_of(m: MeasureSpec) -> Plan:
+    cap = float(os.environ.get("TUNER_TEST_MEASURE_MAX_S") or "inf")
+    return Plan(m.warmup_steps, m.steps, target_ci=m.target_ci, max_seconds=min(float(m.max_seconds), cap))
+
+
+def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[Measurement, list[float]]:
+    """Warm-up until the step time settles, then measured steps until the median's interval is
+    tight or the time cap passes; (the measurement, global losses of the compared steps).
+
+    The losses are those of training steps warmup_steps .. warmup_steps + steps - 1 (as many of them
+    as ran): the same training steps in every trial of a study, whatever each trial's warm-up
+    took, so the loss-drift check compares like with like; and, as before adaptive warm-up, not
+    the first steps (a pipeline's very first step can report a nan loss and recover)."""
     m = train.recipe.measure
     fault = Fault(train.env.rank, train.device)
-    times: list[float] = []
+    clock = StepClock(spec.family, train.env.world_size, train.device)
+    run = Measurement(plan_of(m))
     local_losses: list[torch.Tensor] = []
-    for i in range(m.warmup_steps + m.steps):
-        synchronize(spec.family)
-        t0 = time.perf_counter()
+    i = 0
+    while not run.done():
+        clock.start()
         loss = train.step()
         fault.in_step(i)
-        synchronize(spec.family)
-        dt = time.perf_counter() - t0
+        run.add(clock.stop())
         _check_budget(spec, baseline)
-        if i >= m.warmup_steps:
-            times.append(dt)
+        if m.warmup_steps <= i < m.warmup_steps + m.steps:
             local_losses.append(loss)
-    losses = train.global_losses(local_losses)
+        i += 1
+    # A warm-up that settled early and a measurement that stopped early may end before the
+    # window: the last step's loss is the trial's loss then.
+    losses = train.global_losses(local_losses or [loss])
     for k, value in enumerate(losses):
         if not torch.isfinite(torch.tensor(value)):
-            raise FloatingPointError(f"loss is {value} at measured step {k}; try amp_dtype=bf16 or amp=O0")
-    return times, losses
+            step = m.warmup_steps + k
+            raise FloatingPointError(f"loss is {value} at step {step}; try amp_dtype=bf16 or amp=O0")
+    return run, losses
 
 
 def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None:
@@ -145,7 +200,7 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
     if env.rank == 0:
         print(f"trial {spec.tag or '-'}: {env.world_size} ranks, {torch.get_num_threads()} threads/rank, "
               f"{train.n_microbatches} microbatches/step, {train.local_params():,} params on rank 0", flush=True)  # fmt: skip
-    times, losses = measure(train, spec, baseline)
+    run, losses = measure(train, spec, baseline)
     mem = memory_peak(spec.family, baseline)
     # The worst rank's peak; -1 stands for "not reported" (CPU has no allocator view).
     alloc, reserved, active, frag = _max_over_ranks(
@@ -174,11 +229,12 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
         return None
     if report is not None:
         write_breakdown(report, Path(spec.workdir) / "profile")
-    return _result(train, spec, times, losses, memory, report, ranks)
+    return _result(train, spec, run, losses, memory, report, ranks)
 
 
-def _result(train: Training, spec: TrialSpec, times, losses, memory, report, ranks) -> TrialResult:
-    recipe, world = train.recipe, train.env.world_size
+def _result(train: Training, spec: TrialSpec, run: Measurement, losses, memory, report, ranks) -> TrialResult:
+    """Rank 0's TrialResult; `memory` is run_rank's worst-rank reading ({} when not measured)."""
+    recipe, world, times = train.recipe, train.env.world_size, run.times
     median = statistics.median(times)
     dtype = matmul_dtype_name(train.config)
     peak = peak_tflops(describe(spec.family), dtype, torch.get_num_threads())
@@ -188,22 +244,33 @@ def _result(train: Training, spec: TrialSpec, times, losses, memory, report, ran
         status=OK,
         step_time_s=median,
         step_time_spread=(max(times) - min(times)) / median,
+        step_time_ci=run.ci,
         tokens_per_s=gbs * recipe.model.seq_len / median,
         samples_per_s=gbs / median,
         tflops=tflops,
         mfu=tflops / peak if peak else None,
-        peak_mem_allocated_bytes=memory["allocated"],
-        peak_mem_reserved_bytes=memory["reserved"],
-        peak_mem_active_bytes=None if memory["active"] < 0 else memory["active"],
-        mem_fragmentation_bytes=None if memory["fragmentation"] < 0 else memory["fragmentation"],
+        peak_mem_allocated_bytes=memory.get("allocated"),
+        peak_mem_reserved_bytes=memory.get("reserved"),
+        # -1 stands for "not reported" (see run_rank)
+        peak_mem_active_bytes=None if memory.get("active", -1) < 0 else memory["active"],
+        mem_fragmentation_bytes=None if memory.get("fragmentation", -1) < 0 else memory["fragmentation"],
         estimated_peak_mem_bytes=spec.estimated_peak_mem_bytes,
         loss=losses[-1],
         losses=losses,
         step_times=times,
-        measured_s=sum(times),
+        measured_s=run.measured_s,
         breakdown=report["seconds_per_step"] if report else None,
         tag=spec.tag,
-        extra={"world_size": world, "matmul_dtype": dtype, "peak_tflops": peak, "ranks": ranks},
+        extra={
+            "world_size": world,
+            "matmul_dtype": dtype,
+            "peak_tflops": peak,
+            "ranks": ranks,
+            "warmup_steps": len(run.warmup),
+            "warmup_s": sum(run.warmup),
+            "measured_steps": len(times),
+            "stop_reason": run.stop_reason,
+        },
     )
 
 
@@ -238,7 +305,8 @@ def main(spec: TrialSpec) -> int:
         result = run_rank(spec, env, baseline)
         if result is not None:
             _write_json(workdir / "result.json", result.to_dict())
-            print(f"ok: step {result.step_time_s:.4f}s (spread {result.step_time_spread:.1%}), "
+            ci = f"±{result.step_time_ci:.1%}" if result.step_time_ci is not None else "no CI"
+            print(f"ok: step {result.step_time_s:.4f}s ({ci} over {len(result.step_times)} steps), "
                   f"{result.tokens_per_s:,.0f} tokens/s, mfu {result.mfu or 0:.1%}, loss {result.loss:.4f}")  # fmt: skip
         if dist.is_initialized():
             # Pipeline sends may still be in flight on some rank; finish them all before teardown.

@@ -1,0 +1,244 @@
+"""Fast, trustworthy measurement (issue 16), measured: per-trial overhead with the warm start and
+without, the study's device time before and after adaptive measurement, how often a first
+measurement's interval covers its re-measurements, and the spread of one config measured 5 times.
+
+    python benchmarks/measurement.py studies recipes/gpt-tiny.yaml --trials 12 --json out.json
+    python benchmarks/measurement.py repeat recipes/gpt-tiny.yaml --times 5
+    python benchmarks/measurement.py pair recipes/gpt-tiny.yaml --repeats 2
+
+`studies` runs, one after the other in one process (so all see the same machine):
+- before: the measurement as it was (cold start, 2 warm-up + 5 measured steps, one re-measurement
+  round), local executor;
+- local-warm: adaptive measurement and the warm start, local executor, 2 re-measurement rounds;
+- ray-warm: the same on a local Ray runtime (no re-measurement);
+- ray-before: the measurement as it was, on Ray (the cold start's overhead on Ray);
+- local-cold / ray-cold: adaptive measurement, cold start (not in the default set: `before` and
+  `ray-before` give the cold start's overhead with the same 2 warm-up steps in less time).
+Other work on the machine inflates every number: compare the rows of one run, and note the load
+average printed with each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+CONDITIONS = {
+    # name: (executor, warm start, adaptive measurement, top configs re-measured)
+    "before": ("local", False, False, 3),
+    "local-warm": ("local", True, True, 3),
+    "local-cold": ("local", False, True, 0),
+    "ray-warm": ("ray", True, True, 0),
+    "ray-cold": ("ray", False, True, 0),
+    "ray-before": ("ray", False, False, 0),
+}
+DEFAULT = ("before", "local-warm", "ray-warm", "ray-before")
+
+
+def coverage(study) -> tuple[int, int]:
+    """(covered, pairs): re-measurements inside the first measurement's 95% throughput interval."""
+    from tuner.record import keys
+
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    covered = pairs = 0
+    for key, values in study.user_attrs.items():
+        if not key.startswith(keys.REMEASURED_PREFIX):
+            continue
+        first = trials[int(key.removeprefix(keys.REMEASURED_PREFIX))].user_attrs
+        tps, ci = first.get(keys.TOKENS_PER_S), first.get(keys.STEP_TIME_CI)
+        if not tps or ci is None:
+            continue
+        for v in values:
+            pairs += 1
+            covered += tps / (1 + ci) <= v <= tps / max(1e-9, 1 - ci)
+    return covered, pairs
+
+
+def start_cpu_s(workdir: str) -> float | None:
+    """Median CPU seconds all ranks of a trial used until rank 0 had built its training (the start
+    cost the warm start removes; unlike wall time it hardly depends on the machine's load)."""
+    from pathlib import Path
+
+    values = []
+    for path in Path(workdir).rglob("exits.json"):
+        cpu = json.loads(path.read_text()).get("cpu_at_rank0_ready_s")
+        if cpu is not None:
+            values.append(cpu)
+    return statistics.median(values) if values else None
+
+
+def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
+    import optuna
+
+    import tuner.study.remeasure as remeasure
+    from tuner.executors import make_executor
+    from tuner.record import keys
+    from tuner.study import run_study
+
+    kind, warm_on, adaptive, top = CONDITIONS[name]
+    if not adaptive:
+        fixed = {"warmup_steps": 2, "steps": 5, "target_ci": None}
+        recipe = recipe.model_copy(update={"measure": recipe.measure.model_copy(update=fixed)})
+    remeasure.ROUNDS = 2 if adaptive else 1
+    env = {"TUNER_WARM_START": "1" if warm_on else "0"}
+    tmp = tempfile.mkdtemp(prefix=f"tuner-measure-{name}-")
+    url = f"sqlite:///{tmp}/study.db"
+    load_before = os.getloadavg()[0]
+    t0 = time.monotonic()
+    with make_executor(kind, env=env) as executor:
+        summary = run_study(
+            recipe,
+            storage_url=url,
+            executor=executor,
+            trials=trials,
+            seed=seed,
+            remeasure_top=top,
+            workdir=tmp,
+        )
+    wall = time.monotonic() - t0
+    study = optuna.load_study(study_name=summary.study_name, storage=url)
+    ran = [t.user_attrs for t in study.get_trials(deepcopy=False) if t.user_attrs.get(keys.WALL_S)]
+    ok = [a for a in ran if a.get(keys.MEASURED_S)]
+    overhead = [a[keys.WALL_S] - a[keys.MEASURED_S] for a in ok]
+    device_s = sum(a.get(keys.DEVICE_SECONDS) or 0.0 for a in ran)
+    device_s += study.user_attrs.get(keys.REMEASURE_DEVICE_SECONDS, 0.0)
+    covered, pairs = coverage(study)
+    cis = [a[keys.STEP_TIME_CI] for a in ok if a.get(keys.STEP_TIME_CI) is not None]
+    return {
+        "condition": name,
+        "device_runs": len(ran),
+        "ok": len(ok),
+        "overhead_s_median": statistics.median(overhead) if overhead else None,
+        "overhead_share_median": statistics.median(
+            o / a[keys.WALL_S] for o, a in zip(overhead, ok, strict=True)
+        )
+        if ok
+        else None,
+        "wall_s_median": statistics.median(a[keys.WALL_S] for a in ok) if ok else None,
+        "measured_s_median": statistics.median(a[keys.MEASURED_S] for a in ok) if ok else None,
+        "step_time_ci_median": statistics.median(cis) if cis else None,
+        "start_cpu_s_median": start_cpu_s(tmp),
+        "device_s_total": device_s,
+        "study_wall_s": wall,
+        "covered": covered,
+        "remeasurements": pairs,
+        "best_tokens_per_s": summary.best.tokens_per_s if summary.best else None,
+        "tie": bool(summary.tie),
+        "load_avg_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+    }
+
+
+def studies(args) -> list[dict[str, Any]]:
+    from tuner.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe)
+    rows = []
+    for name in args.conditions:
+        if CONDITIONS[name][0] == "ray":
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(
+                    address="local", num_cpus=args.ray_cpus, include_dashboard=False, logging_level="ERROR"
+                )
+        print(f"== {name}", file=sys.stderr, flush=True)
+        rows.append(run_condition(recipe, name, args.trials, args.seed))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def repeat(args) -> dict[str, Any]:
+    """`tuner measure RECIPE --json`, `--times` times in a row: the spread of one config's throughput."""
+    values, cis = [], []
+    for _ in range(args.times):
+        out = subprocess.run(
+            [sys.executable, "-m", "tuner.cli.main", "measure", args.recipe, "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        doc = json.loads(out.stdout)
+        values.append(doc["tokens_per_s"])
+        cis.append(doc["step_time_ci"])
+        print(
+            f"  {doc['tokens_per_s']:,.0f} tokens/s (ci {doc['step_time_ci']})", file=sys.stderr, flush=True
+        )
+    return {"tokens_per_s": values, "step_time_ci": cis, "max_over_min": max(values) / min(values),
+            "load_avg_1min": round(os.getloadavg()[0], 1)}  # fmt: skip
+
+
+def pair(args) -> list[dict[str, Any]]:
+    """The recipe's plain config, warm and cold start alternately (`--repeats` times each) through
+    the local runner: where a trial's overhead goes with and without the helper."""
+    from tuner.config import Config
+    from tuner.devices import resolve_family
+    from tuner.executors.local import prestart_helper, run_trial
+    from tuner.recipe import load_recipe
+    from tuner.result import TrialSpec
+
+    recipe = load_recipe(args.recipe)
+    prestart_helper()
+    tmp = tempfile.mkdtemp(prefix="tuner-measure-pair-")
+    rows = []
+    for i in range(args.repeats):
+        for warm_on in ("1", "0"):
+            spec = TrialSpec(
+                recipe=recipe.to_dict(),
+                config=Config(dp=recipe.hardware.devices).to_dict(),
+                family=resolve_family(recipe.hardware.device),
+                workdir=f"{tmp}/{i}-{warm_on}",
+                timeout_s=recipe.measure.timeout_s,
+                tag=f"{i}-{warm_on}",
+            )
+            r = run_trial(spec, env={"TUNER_WARM_START": warm_on})
+            timeline = r.extra.get("timeline", {})
+            rows.append(
+                {
+                    "start": r.extra.get("start"),
+                    "status": r.status,
+                    "overhead_s": r.overhead_s,
+                    "wall_s": r.wall_s,
+                    "rank0_ready_s": timeline.get("rank0_ready_s"),
+                    "cpu_at_rank0_ready_s": timeline.get("cpu_at_rank0_ready_s"),
+                    "warmup_s": r.extra.get("warmup_s"),
+                    "load_avg_1min": round(os.getloadavg()[0], 1),
+                }
+            )
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("studies", help="12-trial studies under each condition")
+    s.add_argument("recipe")
+    s.add_argument("--trials", type=int, default=12)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--ray-cpus", type=int, default=2)
+    s.add_argument("--conditions", nargs="+", default=list(DEFAULT), choices=list(CONDITIONS))
+    s.add_argument("--json", help="also write the rows to this file")
+    r = sub.add_parser("repeat", help="one config measured several times with `tuner measure`")
+    r.add_argument("recipe")
+    r.add_argument("--times", type=int, default=5)
+    w = sub.add_parser("pair", help="the plain config, warm and cold start alternately")
+    w.add_argument("recipe")
+    w.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args(argv)
+    result = {"studies": studies, "repeat": repeat, "pair": pair}[args.what](args)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

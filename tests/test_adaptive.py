@@ -1,0 +1,138 @@
+"""Adaptive measurement: warm-up until the step time settles, measured steps until the 95%
+interval of the median is within measure.target_ci or measure.max_seconds passes."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from tuner.executors.local import run_trial
+from tuner.result import TrialSpec
+from tuner.workload.adaptive import MIN_CI_STEPS, Measurement, Plan, median_ci, relative_half_width
+
+
+@pytest.mark.parametrize("n", [MIN_CI_STEPS, 10, 40, 400])
+def test_median_interval_covers_the_true_median_95_percent_of_the_time(n):
+    rng = random.Random(n)
+    runs, hits = 3000, 0
+    for _ in range(runs):
+        xs = sorted(rng.lognormvariate(0.0, 0.4) for _ in range(n))  # true median 1.0
+        low, high = median_ci(xs)
+        hits += low <= 1.0 <= high
+    assert 0.94 <= hits / runs <= 0.995
+
+
+def test_too_few_steps_have_no_interval():
+    assert relative_half_width([1.0] * (MIN_CI_STEPS - 1)) is None
+    assert relative_half_width([1.0] * MIN_CI_STEPS) == 0.0
+
+
+def feed(plan: Plan, times) -> Measurement:
+    m = Measurement(plan)
+    for dt in times:
+        if m.done():
+            break
+        m.add(dt)
+    return m
+
+
+def test_warmup_ends_once_step_time_settles_and_at_the_ceiling_otherwise():
+    steady_after_first = [5.0] + [1.0] * 100
+    m = feed(Plan(warmup_steps=8, steps=5), steady_after_first)
+    assert m.warmup == [5.0, 1.0, 1.0, 1.0]  # a median of three ignores the slow first step
+    falling = [8.0, 4.0, 2.0, 1.0, 0.5, 0.25] + [0.2] * 100
+    assert len(feed(Plan(warmup_steps=3, steps=5), falling).warmup) == 3
+
+
+def test_steady_steps_stop_at_the_interval_target_noisy_ones_later_or_at_max_seconds():
+    rng = random.Random(0)
+    steady = feed(
+        Plan(0, 5, target_ci=0.03, max_seconds=1e9), (0.1 * rng.uniform(0.99, 1.01) for _ in range(10**5))
+    )
+    noisy = feed(
+        Plan(0, 5, target_ci=0.03, max_seconds=1e9), (0.1 * rng.lognormvariate(0, 0.3) for _ in range(10**5))
+    )
+    assert steady.stop_reason == noisy.stop_reason == "target_ci"
+    assert len(steady.times) == MIN_CI_STEPS < len(noisy.times)
+    assert noisy.ci <= 0.03
+    capped = feed(
+        Plan(0, 5, target_ci=0.001, max_seconds=2.0), (0.1 * rng.lognormvariate(0, 0.3) for _ in range(10**5))
+    )
+    assert capped.stop_reason == "max_seconds" and 2.0 <= capped.measured_s < 2.0 + 1.0
+
+
+def test_without_a_target_exactly_steps_are_measured():
+    m = feed(Plan(2, 7, target_ci=None), [1.0] * 100)
+    assert len(m.times) == 7 and m.stop_reason == "steps"
+
+
+# ---- the real workload: a jittered step runs more steps than a steady one ----------------------------
+
+
+def tiny_spec(tmp_path, tag: str, **measure) -> TrialSpec:
+    recipe = {
+        "name": "adaptive",
+        "model": {"family": "gpt", "layers": 1, "hidden": 32, "heads": 2, "seq_len": 16, "vocab": 128},
+        "train": {"global_batch_size": 2},
+        "hardware": {"device": "cpu", "devices": 1},
+        "measure": {"warmup_steps": 4, "steps": 5, **measure},
+    }
+    return TrialSpec(
+        recipe=recipe, config={"dp": 1}, family="cpu", workdir=str(tmp_path / tag), timeout_s=120, tag=tag
+    )
+
+
+@pytest.mark.slow
+def test_jittered_trial_measures_more_steps_and_stops_at_max_seconds(tmp_path, monkeypatch):
+    monkeypatch.delenv("TUNER_TEST_MEASURE_MAX_S", raising=False)
+    # A 100 ms sleep dominates the tiny model's step: steady to some 25% even on a badly loaded
+    # machine. The jittered step adds a random sleep of 200 ms on average (exponential): its median
+    # needs far more steps than fit in max_seconds to be known that well.
+    # One core, so one thread: OpenMP threads spinning for a descheduled peer make steps on a
+    # loaded machine seconds long and as noisy as the jitter.
+    core = [sorted(os.sched_getaffinity(0))[0]]
+    steady = run_trial(
+        tiny_spec(tmp_path, "steady", target_ci=0.25, max_seconds=8),
+        env={"TUNER_TEST_STEP_DELAY_S": "0.1"},
+        cpus=core,
+    )
+    jitter = run_trial(
+        tiny_spec(tmp_path, "jitter", target_ci=0.25, max_seconds=8),
+        env={"TUNER_TEST_STEP_DELAY_S": "0.05", "TUNER_TEST_STEP_JITTER_S": "0.2"},
+        cpus=core,
+    )
+    for r in (steady, jitter):
+        assert r.status == "ok", r.error
+        assert r.wall_s > r.measured_s > 0 and r.step_time_ci is not None
+    assert steady.extra["stop_reason"] == "target_ci" and steady.step_time_ci <= 0.25
+    assert len(jitter.step_times) > len(steady.step_times)
+    assert jitter.extra["stop_reason"] == "max_seconds" and jitter.step_time_ci > 0.25
+    assert 8.0 <= jitter.measured_s < 8.0 + max(jitter.step_times) + 0.01
+
+
+# ---- the tie rule uses the intervals ---------------------------------------------------------------
+
+
+def record(number: int, tokens_per_s: float, ci: float | None, spread: float = 0.5):
+    from tuner.record.trial import TrialRecord
+
+    attrs = {"tokens_per_s": tokens_per_s, "step_time_spread": spread, "status": "ok"}
+    if ci is not None:
+        attrs["step_time_ci"] = ci
+    return TrialRecord(
+        number, "complete", "ok", [tokens_per_s], {"micro_batch_size": 2 * number + 1}, attrs, None, None
+    )
+
+
+def test_configs_whose_intervals_do_not_overlap_are_no_tie_whatever_their_spread():
+    from tuner.record.ranking import rank_trials
+
+    # 10% apart, each known within 2%: a clear winner, though a slow step made each spread 50%.
+    assert not rank_trials([record(0, 110.0, 0.02), record(1, 100.0, 0.02)], {}).tie
+    assert rank_trials([record(0, 103.0, 0.02), record(1, 100.0, 0.02)], {}).tie
+    # A re-measurement 20% off widens the interval to half that spread: now they overlap.
+    assert rank_trials([record(0, 110.0, 0.02), record(1, 100.0, 0.02)], {0: [88.0]}).tie
+    # Trials measured before intervals existed: the spread decides, as before.
+    assert rank_trials([record(0, 110.0, None), record(1, 100.0, None)], {}).tie

@@ -1,0 +1,223 @@
+"""The warm start: a long-lived helper process per node (one per executor process: the study's
+local executor, each Ray worker) that has imported torch and the trial code and initialised
+nothing else (no device context, no thread pool, no process group). A trial's launcher is forked
+from it on request and becomes the leader of a new session; it forks the trial's ranks in turn.
+So every trial still runs in fresh processes of its own session, and is supervised, classified
+and killed exactly like a cold one (`tuner.executors.launcher`, `tuner.executors.session`); it
+only skips the interpreter start and the imports (about 2 CPU-s per rank).
+
+The helper ends when its parent process ends (its stdin closes), killing the sessions it
+started. A helper that died is started again on the next trial; a trial that cannot reach a
+helper runs cold, and so does a build's rank (`run_trial(module=...)`), which times the compiler
+from a fresh interpreter, imports included. `TUNER_WARM_START=0` (in the environment or in the
+executor's `env`) turns the helper off.
+
+    python -m tuner.executors.warm SOCKET   (started by `shared_helper`, not by hand)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# What the helper imports before it forks anything: the point of keeping it. torch._dynamo too:
+# the optimizer's constructor imports it (with Inductor's config), about 1 CPU-s per rank.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "tuner.workload.run")
+READY_TIMEOUT_S = 120.0  # torch's import on a badly loaded machine
+WARM_ENV = "TUNER_WARM_START"
+
+
+def enabled(env: dict[str, str] | None = None) -> bool:
+    """Whether trials start warm: TUNER_WARM_START in `env`, else in this process's environment."""
+    value = (env or {}).get(WARM_ENV, os.environ.get(WARM_ENV, "1"))
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+class Unavailable(RuntimeError):
+    """No helper answers; the caller starts the trial cold."""
+
+
+class WarmProcess:
+    """A launcher forked by the helper, seen like a `subprocess.Popen` (pid, poll, wait, kill) so
+    the supervisor and `kill_session` treat it like a cold launcher. The helper reaps it and
+    sends its exit status over the connection."""
+
+    def __init__(self, pid: int, conn: socket.socket):
+        self.pid = pid
+        self.returncode: int | None = None
+        self._conn = conn
+        self._buf = b""
+        self._lost = False  # the helper died first: watch /proc instead
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.1 if end is None else min(0.1, end - time.monotonic())
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"warm launcher {self.pid}", timeout)
+            self._read(left)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def _read(self, timeout: float) -> None:
+        if self._lost:
+            if not _alive(self.pid):
+                self.returncode = 1  # its exit status went with the helper
+            else:
+                time.sleep(timeout)
+            return
+        self._conn.settimeout(timeout if timeout > 0 else 0.0)
+        try:
+            chunk = self._conn.recv(4096)
+        except (BlockingIOError, TimeoutError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._lost = True
+            self._conn.close()
+            return
+        self._buf += chunk
+        if b"\n" in self._buf:
+            self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["returncode"])
+            self._conn.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class WarmHelper:
+    """The client side: starts the helper process and asks it to fork launchers."""
+
+    def __init__(self, env: dict[str, str]):
+        self._dir = tempfile.mkdtemp(prefix="tuner-warm-")
+        self.socket_path = os.path.join(self._dir, "helper.sock")
+        self._log = open(os.path.join(self._dir, "helper.log"), "wb")  # noqa: SIM115 - the helper's lifetime
+        # stdin is how the helper notices this process ending; stdout says when it is ready.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tuner.executors.warm", self.socket_path],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            start_new_session=True,
+        )
+        self._ready = False
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        with self._lock:
+            if self._ready:
+                return
+            sel = selectors.DefaultSelector()
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            line = b""
+            end = time.monotonic() + timeout
+            while b"\n" not in line and time.monotonic() < end:
+                if sel.select(timeout=0.5):
+                    chunk = os.read(self.proc.stdout.fileno(), 256)
+                    if not chunk:
+                        break
+                    line += chunk
+            sel.close()
+            if not line.startswith(b"ready"):
+                raise Unavailable(f"the warm-start helper did not start: {self.log_tail()}")
+            self._ready = True
+
+    def launch(self, argv: list[str], env: dict[str, str], cwd: str, stderr_path: str) -> WarmProcess:
+        """Fork `python -m tuner.executors.launcher ARGV` from the helper, as the leader of a new session."""
+        self.wait_ready()
+        request = {"argv": argv, "env": env, "cwd": cwd, "stderr": stderr_path}
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(30)
+            conn.connect(self.socket_path)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reply = b""
+            while b"\n" not in reply:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise OSError("the helper closed the connection")
+                reply += chunk
+            pid = int(json.loads(reply.split(b"\n", 1)[0])["pid"])
+        except (OSError, ValueError, KeyError) as err:
+            conn.close()
+            raise Unavailable(f"the warm-start helper did not answer: {err}") from None
+        proc = WarmProcess(pid, conn)
+        proc._buf = reply.split(b"\n", 1)[1]
+        return proc
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return Path(self._dir, "helper.log").read_text(errors="replace")[-1000:].strip() or "no output"
+        return "no output"
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.stdin.close()  # the helper ends its sessions and exits
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_shared: WarmHelper | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_helper(env: dict[str, str]) -> WarmHelper:
+    """This process's helper, started (with `env`) if there is none or the last one died."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or not _shared.alive():
+            if _shared is not None:
+                _shared.close()
+            _shared = WarmHelper(env)
+        return _shared
+
+
+@atexit.register
+def _close_shared() -> None:
+    if _shared is not None:
+        _shared.close()
+
+
+if __name__ == "__main__":
+    from tuner.executors.warm_server import serve
+
+    serve(sys.argv[1], PRELOAD)

@@ -1,0 +1,122 @@
+"""The helper side of the warm start (`tuner.executors.warm`): import the trial code once, then fork
+a launcher per request, each the leader of a new session, reap them and report their exit
+status. Single-threaded, so forking is safe; nothing here initialises a device or a thread pool."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+from tuner.executors.session import kill_session
+
+
+def serve(path: str, preload: tuple[str, ...]) -> None:
+    for name in preload:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "parent")
+    children: dict[int, socket.socket] = {}
+    os.write(1, b"ready\n")
+    while True:
+        for key, _ in sel.select(timeout=0.05):
+            if key.data == "parent" and not os.read(key.fd, 4096):
+                _shutdown(children)  # the process that started us is gone
+            elif key.data == "accept":
+                _accept(listener, sel, children)
+        _reap(children)
+
+
+def _accept(listener: socket.socket, sel: selectors.BaseSelector, children: dict[int, socket.socket]) -> None:
+    conn, _ = listener.accept()
+    try:
+        conn.settimeout(10)
+        data = b""
+        while b"\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                raise OSError("the client closed the connection")
+            data += chunk
+        request = json.loads(data.split(b"\n", 1)[0])
+        pid = os.fork()
+        if pid == 0:
+            # The child keeps none of the helper's sockets.
+            sel.close()
+            for other in (listener, conn, *children.values()):
+                other.close()
+            _run_launcher(request)  # never returns
+        children[pid] = conn
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except (OSError, ValueError) as err:
+        print(f"warm helper: bad request: {err}", file=sys.stderr, flush=True)
+        conn.close()
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            conn.close()
+
+
+def _shutdown(children: dict[int, socket.socket]) -> None:
+    for pid in list(children):
+        kill_session(pid)
+    _reap(children)
+    os._exit(0)
+
+
+def _run_launcher(request: dict) -> None:
+    """In the forked child: become a new session, take the trial's environment and directory,
+    and run the launcher, which forks the ranks from here."""
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(err, 2)
+        os.close(err)
+        os.close(devnull)
+        os.chdir(request["cwd"])
+        adopt_environment(request["env"])
+        from tuner.executors import launcher
+
+        code = launcher.main(list(request["argv"]), fork=True)
+    except BaseException:  # noqa: BLE001 - the launcher's own failure goes to launcher.log
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def adopt_environment(env: dict[str, str]) -> None:
+    """Make `env` this process's environment, and its PYTHONPATH the first places imports look
+    (a forked process never re-reads them at start as a new interpreter would)."""
+    os.environ.clear()
+    os.environ.update(env)
+    front = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = front + [p for p in sys.path if p not in front]
+    importlib.invalidate_caches()
