@@ -94,14 +94,17 @@ def two_nodes(tmp_path_factory):
     head += [f"--ray-client-server-port={_free_port()}", f"--temp-dir={temp_dirs[0]}"]
     worker = [RAY, "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp_dirs[1]}"]
     try:
-        # Both at once: the worker node retries until the head's GCS answers.
-        starts = []
-        for cmd, resource in ((head, "nodeA"), (worker, "nodeB")):
+        # The head first, then the worker node: started together on a loaded machine, the worker
+        # gave up before the head's GCS listed the head node. One retry for the worker.
+        for cmd, resource, attempts in ((head, "nodeA", 1), (worker, "nodeB", 2)):
             cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
-            starts.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        for start in starts:
-            out, _ = start.communicate(timeout=120)
-            assert start.returncode == 0, f"{' '.join(start.args[:3])} failed:\n{out.decode()[-3000:]}"
+            for _attempt in range(attempts):
+                start = subprocess.run(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180
+                )
+                if start.returncode == 0:
+                    break
+            assert start.returncode == 0, f"{' '.join(cmd[:3])} failed:\n{start.stdout.decode()[-3000:]}"
         ex = RayExecutor(address=f"127.0.0.1:{port}", lease_dir=str(tmp_path_factory.mktemp("leases")))
         ex.address = f"127.0.0.1:{port}"
         yield ex
