@@ -16,15 +16,16 @@ RAY_CPUS = 2  # the CI machine's cores; a 2-rank trial fills the runtime
 
 
 def tiny_spec(
-    workdir: Path, tag: str, *, ranks: int = 1, steps: int = 2, timeout_s: float = 120
+    workdir: Path, tag: str, *, ranks: int = 1, steps: int = 2, timeout_s: float = 120, nodes: int = 1
 ) -> TrialSpec:
-    """A trial of the real workload small enough to take seconds: 1 layer, 32 wide, data parallel."""
+    """A trial of the real workload small enough to take seconds: 1 layer, 32 wide, data parallel
+    (over `nodes` machines when more than one)."""
     recipe = recipe_from_dict(
         {
             "name": "executor-test",
             "model": {"family": "gpt", "layers": 1, "hidden": 32, "heads": 2, "seq_len": 32, "vocab": 256},
             "train": {"global_batch_size": 2 * ranks},
-            "hardware": {"device": "cpu", "devices": ranks},
+            "hardware": {"device": "cpu", "devices": ranks, "nodes": nodes},
             "measure": {"warmup_steps": 1, "steps": steps},
         }
     )

@@ -203,3 +203,17 @@ def test_every_reason_is_reported_at_once():
 
 def test_this_machines_cpu_runs_the_plain_config():
     assert infeasible_reasons(Config(dp=1), recipe(devices=1), describe("cpu")) == []
+
+
+def test_tensor_parallel_groups_stay_inside_a_node():
+    two_nodes = recipe_from_dict(
+        {"name": "n", "model": {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 2048},
+         "train": {"global_batch_size": 16}, "hardware": {"devices": 4, "nodes": 2}}
+    )  # fmt: skip
+    cpu = describe("cpu")
+    assert any(
+        "tp (4) must divide the devices per node (2)" in r
+        for r in infeasible_reasons(Config(tp=4), two_nodes, cpu)
+    )
+    inside = [r for r in infeasible_reasons(Config(dp=2, tp=2), two_nodes, cpu) if "per node" in r]
+    assert not inside  # tp=2 within each node of 2, dp=2 across the nodes

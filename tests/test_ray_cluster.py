@@ -1,5 +1,6 @@
-"""Two Ray nodes on loopback (a head and a worker, 1 CPU each): trials spread over both nodes, and a
-trial that fits the cluster but no single node is turned away instead of waiting forever."""
+"""Two Ray nodes on loopback (a head and a worker, 1 CPU each): trials spread over both nodes; a
+trial of two nodes runs one rank on each, through one placement group; a node's death ends its whole
+trial and leaves no process; a single-node trial bigger than every node is turned away at once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest_ray import collect, tiny_spec
+from conftest_ray import collect, tiny_spec, trial_pids, wait_for
 
 from tuner.executors.ray_executor import RayExecutor
 
@@ -93,15 +94,19 @@ def two_nodes(tmp_path_factory):
     head += [f"--ray-client-server-port={_free_port()}", f"--temp-dir={temp_dirs[0]}"]
     worker = [RAY, "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp_dirs[1]}"]
     try:
-        # Both at once: the worker node retries until the head's GCS answers.
-        starts = []
-        for cmd, resource in ((head, "nodeA"), (worker, "nodeB")):
+        # The head first, then the worker node: started together on a loaded machine, the worker
+        # gave up before the head's GCS listed the head node. One retry for the worker.
+        for cmd, resource, attempts in ((head, "nodeA", 1), (worker, "nodeB", 2)):
             cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
-            starts.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        for start in starts:
-            out, _ = start.communicate(timeout=120)
-            assert start.returncode == 0, f"{' '.join(start.args[:3])} failed:\n{out.decode()[-3000:]}"
+            for _attempt in range(attempts):
+                start = subprocess.run(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180
+                )
+                if start.returncode == 0:
+                    break
+            assert start.returncode == 0, f"{' '.join(cmd[:3])} failed:\n{start.stdout.decode()[-3000:]}"
         ex = RayExecutor(address=f"127.0.0.1:{port}", lease_dir=str(tmp_path_factory.mktemp("leases")))
+        ex.address = f"127.0.0.1:{port}"
         yield ex
         ex.close()
     finally:
@@ -126,7 +131,7 @@ def test_trials_run_on_both_nodes_on_distinct_cores(two_nodes, tmp_path):
     assert sorted(r.extra["cores"][0] for r in results) == [0, 1]
 
 
-def test_trial_larger_than_every_node_is_unschedulable(two_nodes, tmp_path):
+def test_a_single_node_trial_larger_than_every_node_is_unschedulable(two_nodes, tmp_path):
     spec = tiny_spec(tmp_path, "two-ranks", ranks=2)  # the cluster has 2 CPUs, but 1 per node
 
     two_nodes.submit(spec)
@@ -134,3 +139,107 @@ def test_trial_larger_than_every_node_is_unschedulable(two_nodes, tmp_path):
 
     assert result.error_kind == "unschedulable"
     assert "needs 2 CPU on one node" in result.error and "largest node has 1 CPU" in result.error
+    assert "2 node(s), 2 CPU in all" in result.error and "hardware.nodes" in result.error
+
+
+def test_a_trial_needing_more_nodes_than_the_cluster_has_names_the_cluster(two_nodes, tmp_path):
+    spec = tiny_spec(tmp_path, "three-nodes", ranks=3, nodes=3)
+
+    two_nodes.submit(spec)
+    [result] = collect(two_nodes, {"three-nodes"}, timeout_s=10)
+
+    assert result.error_kind == "unschedulable"
+    assert "needs 3 nodes with 1 CPU each" in result.error and "the cluster has 2 node(s)" in result.error
+
+
+def test_a_two_node_trial_runs_a_rank_on_each_node_and_matches_one_node(two_nodes, tmp_path):
+    from tuner.executors.local import run_trial
+
+    spec = tiny_spec(tmp_path, "spread", ranks=2, nodes=2, steps=3)
+    assert two_nodes.free_slots(spec) == 1
+    two_nodes.submit(spec)
+    assert two_nodes.free_slots(spec) == 0  # the whole placement group is ours
+    [result] = collect(two_nodes, {"spread"})
+    single = run_trial(tiny_spec(tmp_path, "one-host", ranks=2, steps=3))
+
+    assert result.status == "ok", result.error
+    assert result.nodes == 2 and len(set(result.rank_nodes)) == 2
+    assert [p["node_rank"] for p in result.extra["placement"]] == [0, 1]
+    assert single.status == "ok" and single.nodes == 1
+    assert result.losses == pytest.approx(single.losses, abs=1e-5)
+    assert not trial_pids(spec) and not _node_pids(spec, 1)
+
+
+def _node_pids(spec, node_rank: int) -> list[int]:
+    import dataclasses
+
+    return trial_pids(dataclasses.replace(spec, workdir=str(Path(spec.workdir) / f"node{node_rank}")))
+
+
+def test_killing_one_nodes_worker_ends_the_whole_trial_and_the_study_goes_on(two_nodes, tmp_path):
+    slow = RayExecutor(env={"TUNER_TEST_STEP_DELAY_S": "0.5"}, lease_dir=two_nodes._lease_dir)
+    spec = tiny_spec(tmp_path, "doomed", ranks=2, nodes=2, steps=200, timeout_s=300)
+    slow.submit(spec)
+    early: list = []  # the driver learns where parts run (and starts node 1) only while it waits
+
+    def started() -> bool:
+        early.extend(slow.wait(timeout=0.2))
+        where = slow.placement("doomed")
+        return len(where) == 2 and all(where) and bool(_node_pids(spec, 1)) and bool(trial_pids(spec))
+
+    wait_for(started, 90, "ranks on both nodes")
+    assert not early
+    os.kill(slow.placement("doomed")[1]["worker_pid"], signal.SIGKILL)
+    start = time.monotonic()
+    [result] = collect(slow, {"doomed"}, timeout_s=60)
+
+    assert result.status == "error" and result.error_kind == "worker_died", result.error
+    assert result.error.startswith("node 1 of 2:")
+    assert time.monotonic() - start < 30
+    left = (trial_pids(spec), _node_pids(spec, 1), [r.extra.get("placement") for r in [result]], result.error)
+    wait_for(
+        lambda: not trial_pids(spec) and not _node_pids(spec, 1), 15, f"no rank left on either node {left}"
+    )
+    [after] = collect(_submitted(two_nodes, tiny_spec(tmp_path, "next", ranks=2, nodes=2)), {"next"})
+    assert after.status == "ok" and after.nodes == 2
+
+
+def _submitted(executor, spec):
+    wait_for(lambda: executor.free_slots(spec) >= 1, 30, "the cluster to be free again")
+    executor.submit(spec)
+    return executor
+
+
+def test_tuner_tune_on_the_cluster_runs_every_trial_over_both_nodes(two_nodes, tmp_path):
+    import optuna
+
+    recipe = tmp_path / "two-nodes.yaml"
+    recipe.write_text(
+        "name: two-nodes\n"
+        "model: {layers: 1, hidden: 32, heads: 2, seq_len: 32, vocab: 256}\n"
+        "train: {global_batch_size: 4}\n"
+        "hardware: {device: cpu, devices: 2, nodes: 2}\n"
+        "measure: {warmup_steps: 1, steps: 2}\n"
+        "search: {overrides: {compile: [none], micro_batch_size: [1, 2]}}\n"
+    )
+    db = f"sqlite:///{tmp_path / 'tune.db'}"
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": two_nodes_address(two_nodes),
+        "TUNER_RUNS_DIR": str(tmp_path / "runs"),
+    }
+    out = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "tuner"), "tune", str(recipe), "--trials", "3",
+         "--executor", "ray", "--storage", db],
+        env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    [name] = optuna.get_all_study_names(db)
+    done = [t for t in optuna.load_study(study_name=name, storage=db).trials if t.state.name == "COMPLETE"]
+    assert done, out.stdout[-2000:]
+    for t in done:
+        assert t.user_attrs["nodes"] == 2 and len(set(t.user_attrs["rank_nodes"])) == 2
+
+
+def two_nodes_address(executor) -> str:
+    return executor.address

@@ -62,6 +62,8 @@ BAD_DOCS = [
     ("quoted int", with_("hardware.devices", "2"), "hardware.devices", "integer"),
     ("boolean for number", with_("train.lr", True), "train.lr", "number"),
     ("section not a mapping", with_("train", [16]), "train", "dictionary"),
+    ("zero nodes", with_("hardware.nodes", 0), "hardware.nodes", "greater than or equal to 1"),
+    ("devices not split over nodes", with_("hardware.nodes", 3), "hardware", "multiple of nodes (3)"),
 ]
 
 
@@ -156,3 +158,10 @@ def test_hash_ignores_key_order():
     reordered = dict(reversed(list(GOOD.items())))
     reordered["model"] = dict(reversed(list(GOOD["model"].items())))
     assert recipe_from_dict(reordered).hash() == recipe_from_dict(GOOD).hash()
+
+
+def test_a_single_node_recipe_hashes_as_before_nodes_existed():
+    """Studies are found by recipe hash: adding `hardware.nodes` must not orphan them."""
+    assert recipe_from_dict(GOOD).hash() == recipe_from_dict(with_("hardware.nodes", 1)).hash()
+    assert recipe_from_dict(GOOD).hash() != recipe_from_dict(with_("hardware.nodes", 2)).hash()
+    assert recipe_from_dict(with_("hardware.nodes", 2)).hardware.devices_per_node == 1

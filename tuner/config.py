@@ -274,8 +274,19 @@ def _split_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[s
             f"dp*tp*pp = {config.dp}*{config.tp}*{config.pp} = {config.world_size}, "
             f"but hardware.devices is {want}"
         )
-    if want > device.count:
+    per_node, nodes = recipe.hardware.devices_per_node, recipe.hardware.nodes
+    if nodes == 1 and want > device.count:
         r.append(f"hardware.devices is {want} but this machine has {device.count} {device.family} devices")
+    elif per_node > device.count:
+        r.append(
+            f"hardware.devices is {want} over {nodes} nodes, {per_node} per node, but this machine has "
+            f"{device.count} {device.family} devices"
+        )
+    if nodes > 1 and per_node % config.tp:
+        r.append(
+            f"tp ({config.tp}) must divide the devices per node ({per_node}): tensor-parallel groups "
+            "stay inside a node"
+        )
     r += [message for _, message in shape_reasons(config, recipe)]
     per_step = config.micro_batch_size * config.dp
     gbs = recipe.train.global_batch_size

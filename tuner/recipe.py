@@ -145,9 +145,25 @@ class HardwareSpec(_Section):
         "auto", description="Device family; auto picks npu, then cuda, then cpu."
     )
     devices: int = Field(1, ge=1, le=4096, description="Devices (ranks) per trial.")
+    nodes: int = Field(
+        1, ge=1, le=1024, description="Machines a trial spans (torchrun --nnodes); devices split evenly."
+    )
     memory_budget_gb: Real | None = Field(
         None, gt=0, description="Peak memory allowed per device in GiB; null = the device's size."
     )
+
+    @model_validator(mode="after")
+    def _devices_split_over_nodes(self) -> HardwareSpec:
+        if self.devices % self.nodes:
+            raise ValueError(
+                f"devices ({self.devices}) must be a multiple of nodes ({self.nodes}): every node runs "
+                "the same number of ranks; set devices to nodes x devices per node"
+            )
+        return self
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.devices // self.nodes
 
 
 class SearchSpec(_Section):
@@ -205,7 +221,8 @@ class Recipe(_Section):
         payload = {
             "model": self.model.hash_fields(),
             "train": self.train.model_dump(),
-            "hardware": self.hardware.model_dump(),
+            # A single-node recipe hashes as it did before `nodes` existed: its studies stay found.
+            "hardware": self.hardware.model_dump(exclude={"nodes"} if self.hardware.nodes == 1 else None),
             "measure": _measure_hash_fields(self.measure),
         }
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))

@@ -69,7 +69,9 @@ class TrialResult:
     breakdown: dict[str, float] | None = None  # step-time seconds by category (with --profile)
     log_path: str | None = None
     log_tail: str | None = None
-    node: str | None = None  # host that ran it
+    node: str | None = None  # host that ran it (node 0's, for a multi-node trial)
+    nodes: int | None = None  # distinct nodes its ranks ran on
+    rank_nodes: list[str | None] = field(default_factory=list)  # each rank's node id, by rank
     tag: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -17,7 +17,13 @@ _LAUNCH_ENV = re.compile(
 
 
 def launch_script(
-    trial: int, study: str, world: int, tokens: float | None, device: str, compiled: bool = False
+    trial: int,
+    study: str,
+    world: int,
+    tokens: float | None,
+    device: str,
+    compiled: bool = False,
+    nodes: int = 1,
 ) -> str:
     env = {k: v for k, v in sorted(os.environ.items()) if _LAUNCH_ENV.match(k)}
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) or "# (none set)\n"
@@ -29,6 +35,8 @@ export TORCHINDUCTOR_CACHE_DIR="$PWD/run/inductor"
 if [ -f compile-cache.bin ]; then export TUNER_COMPILE_CACHE="$PWD/compile-cache.bin"; fi
 """
     measured = f"{tokens:,.0f} tokens/s" if tokens else "its throughput"
+    if nodes > 1:
+        return _multi_node(trial, study, world, measured, device, exports, nodes)
     return f"""#!/usr/bin/env bash
 # Reproduces trial {trial} of study {study}: the measured config ({measured} on {device}).
 # Runs {world} rank(s) of `python -m tuner.workload spec.json` under torchrun; rank 0 prints the
@@ -38,4 +46,27 @@ cd "$(dirname "${{BASH_SOURCE[0]}}")"
 # Environment of the measured run:
 {exports}if command -v torchrun >/dev/null 2>&1; then run=(torchrun); else run=("${{PYTHON:-python3}}" -m torch.distributed.run); fi
 "${{run[@]}}" --standalone --nproc-per-node {world} -m tuner.workload spec.json
+"""
+
+
+def _multi_node(
+    trial: int, study: str, world: int, measured: str, device: str, exports: str, nodes: int
+) -> str:
+    per_node = world // nodes
+    return f"""#!/usr/bin/env bash
+# Reproduces trial {trial} of study {study}: the measured config ({measured} on {device}), {world} ranks
+# over {nodes} nodes ({per_node} per node). Run this script on each of the {nodes} nodes, all at once:
+#   NODE_RANK=0 MASTER_ADDR=<node 0's address> ./launch.sh     # on node 0
+#   NODE_RANK=1 MASTER_ADDR=<node 0's address> ./launch.sh     # on node 1, and so on
+# MASTER_PORT (default 29500) must be free on node 0. Ranks are laid out node-major, as measured:
+# node k runs global ranks k*{per_node} .. k*{per_node}+{per_node - 1}, so tensor-parallel groups stay inside a node.
+# Rank 0 prints the result and writes it to run/result.json on node 0. Needs this project installed.
+set -euo pipefail
+cd "$(dirname "${{BASH_SOURCE[0]}}")"
+: "${{NODE_RANK:?set NODE_RANK to this node's index, 0..{nodes - 1}}}"
+: "${{MASTER_ADDR:?set MASTER_ADDR to node 0's address}}"
+# Environment of the measured run:
+{exports}if command -v torchrun >/dev/null 2>&1; then run=(torchrun); else run=("${{PYTHON:-python3}}" -m torch.distributed.run); fi
+"${{run[@]}}" --nnodes={nodes} --node-rank="$NODE_RANK" --rdzv-endpoint="$MASTER_ADDR:${{MASTER_PORT:-29500}}" \\
+    --nproc-per-node {per_node} -m tuner.workload spec.json
 """

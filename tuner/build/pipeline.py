@@ -177,7 +177,15 @@ def _stage(p: _Plan, ph: _Phases) -> tuple[Path, BuildRecord]:
     launch = stage / "launch.sh"
     tokens = p.measured.get(keys.TOKENS_PER_S)
     launch.write_text(
-        launch_script(p.number, p.study, p.config.world_size, tokens, describe(p.family).name, bool(caches))
+        launch_script(
+            p.number,
+            p.study,
+            p.config.world_size,
+            tokens,
+            describe(p.family).name,
+            bool(caches),
+            p.recipe.hardware.nodes,
+        )
     )
     launch.chmod(0o755)
     (stage / "logs").mkdir()

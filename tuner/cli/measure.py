@@ -118,6 +118,15 @@ def _trial_spec(
         family = resolve_family(device or recipe.hardware.device)
     except ValueError as err:
         fail(str(err).replace("hardware.device:", "--device:" if device else "hardware.device:", 1))
+    from tuner.executors.local import multi_node_refusal
+
+    refusal = multi_node_refusal(recipe.hardware.nodes)
+    if refusal:
+        fail(
+            refusal.replace(
+                "(--executor ray, or TUNER_EXECUTOR=ray for the service)", "(`tuner tune --executor ray`)"
+            )
+        )
     info = describe(family)
     reasons = infeasible_reasons(config, recipe, info)
     if reasons:

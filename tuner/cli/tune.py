@@ -141,6 +141,12 @@ def tune(
         fail(f"--sampler: unknown sampler {sampler!r}; use one of {', '.join(SAMPLERS)}")
     if executor not in ("local", "ray"):
         fail(f"--executor: unknown executor {executor!r}; use local or ray")
+    if executor == "local":
+        from tuner.executors.local import multi_node_refusal
+
+        refusal = multi_node_refusal(recipe.hardware.nodes)
+        if refusal:
+            fail(refusal)
     _preflight(recipe, sampler or recipe.search.sampler)
     url = storage_or_exit(storage)
 

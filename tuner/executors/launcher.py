@@ -1,5 +1,6 @@
-"""The launcher of one trial, `python -m tuner.executors.launcher SPEC.json WORLD MODULE [--cpus 0,1]`:
-started by `run_trial` in a new session, it starts every rank of `python -m MODULE SPEC.json` with
+"""The launcher of one trial, `python -m tuner.executors.launcher SPEC.json WORLD MODULE [--cpus 0,1]
+[--node NODE_RANK,NNODES,ADDR,PORT]`: started by `run_trial` in a new session, it starts every rank
+(of this node, for a multi-node trial) of `python -m MODULE SPEC.json` with
 torchrun's environment variables, writes their output with rank prefixes to `trial.log`, ends the
 group when a rank fails, and records each rank's exit in `exits.json`. Started cold it imports no
 torch; forked from the warm helper (`tuner.executors.warm`) it forks each rank from itself, torch
@@ -19,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from tuner.executors.nodes import NodePart, rank_env
 from tuner.executors.session import TERM_GRACE_S, die_with_parent
 
 # After the first rank fails, the others get this long to fail on their own (and write their error
@@ -47,20 +49,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """torchrun's environment for one rank of a single-host trial."""
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONFAULTHANDLER": "1",
-    }
 
 
 class RankGroup:
@@ -131,10 +119,11 @@ class RankGroup:
             for p in alive:
                 p.kill()
 
-    def record(self, port: int) -> dict:
+    def record(self, port: int, node: NodePart | None) -> dict:
         return {
             "session": os.getsid(0),
             "world_size": len(self.procs),
+            "node_rank": 0 if node is None else node.node_rank,
             "port": port,
             "exits": self.exits,
             "first_output": self.first_output,
@@ -144,8 +133,10 @@ class RankGroup:
         }
 
 
-def _start_rank(rank: int, world: int, port: int, module: str, spec_path: str, fork: bool):
-    env = rank_env(rank, world, port)
+def _start_rank(
+    rank: int, world: int, port: int, module: str, spec_path: str, fork: bool, node: NodePart | None
+):
+    env = rank_env(rank, world, port, node)
     if fork:
         from tuner.executors.forked import fork_rank
 
@@ -160,8 +151,18 @@ def _start_rank(rank: int, world: int, port: int, module: str, spec_path: str, f
     )
 
 
-def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None, fork: bool = False) -> int:
-    parent = os.getppid()
+def _launch(
+    spec_path: str,
+    world: int,
+    module: str,
+    cpus: list[int] | None,
+    fork: bool = False,
+    node: NodePart | None = None,
+) -> int:
+    # A cold launcher is told who started it: had its caller died while this interpreter was still
+    # starting, getppid() would already name init, and the check below would wrongly pass. (A warm
+    # one is forked, so getppid() is its helper from the first instruction.)
+    parent = int(os.environ.pop("TUNER_LAUNCHER_PARENT", "") or os.getppid())
     die_with_parent(signal.SIGTERM)
     if os.getppid() != parent:  # the caller died before prctl took effect
         return 1
@@ -170,23 +171,35 @@ def _launch(spec_path: str, world: int, module: str, cpus: list[int] | None, for
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     workdir = Path(spec_path).parent
-    port = _free_port()
-    procs = {rank: _start_rank(rank, world, port, module, spec_path, fork) for rank in range(world)}
+    port = _free_port() if node is None else node.master_port
+    ranks = range(world) if node is None else node.ranks(world)
+    procs = {rank: _start_rank(rank, world, port, module, spec_path, fork, node) for rank in ranks}
     group = RankGroup(procs, workdir, stopping)
     group.run()
-    (workdir / "exits.json").write_text(json.dumps(group.record(port)))
+    (workdir / "exits.json").write_text(json.dumps(group.record(port, node)))
     return 0
+
+
+def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    if name not in argv:
+        return None, argv
+    i = argv.index(name)
+    return argv[i + 1], argv[:i] + argv[i + 2 :]
 
 
 def main(argv: list[str], fork: bool = False) -> int:
     """`fork`: start the ranks by forking this process (the warm start) instead of new interpreters."""
-    cpus = None
-    if "--cpus" in argv:
-        i = argv.index("--cpus")
-        cpus = [int(c) for c in argv[i + 1].split(",")]
-        argv = argv[:i] + argv[i + 2 :]
+    cpus, argv = _option(argv, "--cpus")
+    node, argv = _option(argv, "--node")  # this node's share of a multi-node trial (NodePart.to_arg)
     spec_path, world, module = argv
-    return _launch(spec_path, int(world), module, cpus, fork)
+    return _launch(
+        spec_path,
+        int(world),
+        module,
+        [int(c) for c in cpus.split(",")] if cpus else None,
+        fork,
+        NodePart.from_arg(node) if node else None,
+    )
 
 
 if __name__ == "__main__":

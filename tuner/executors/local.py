@@ -24,6 +24,7 @@ from pathlib import Path
 from tuner.executors import warm
 from tuner.executors.base import Executor
 from tuner.executors.launcher import FAIL_GRACE_S  # noqa: F401 - the grace a failing trial gets, for callers
+from tuner.executors.nodes import NodePart
 from tuner.executors.outcome import LOG_TAIL_LINES, classify, read_json, tail
 from tuner.executors.session import TERM_GRACE_S, kill_session, session_pids  # noqa: F401
 from tuner.record.status import ERROR
@@ -41,12 +42,15 @@ def run_trial(
     cpus: list[int] | None = None,
     stop: threading.Event | None = None,
     module: str | None = None,
+    node: NodePart | None = None,
 ) -> TrialResult:
     """Run one trial to completion and classify it; never raises because the trial failed.
 
     `env` adds environment variables for the ranks; `cpus` pins every rank to those cores;
     setting `stop` ends the trial early (status error, error_kind "cancelled"); `module` is what
-    each rank runs instead of RANK_MODULE (the build runs `tuner.workload.build_rank`).
+    each rank runs instead of RANK_MODULE (the build runs `tuner.workload.build_rank`). With
+    `node`, only that node's ranks of a multi-node trial run here; a node other than 0 reports no
+    metrics (rank 0 measures), only whether its ranks ended well.
     """
     # The launcher runs in the trial's directory and the ranks read paths from the spec: a relative
     # workdir would mean another place to each of them.
@@ -59,17 +63,22 @@ def run_trial(
     cmd.append(module or RANK_MODULE)
     if cpus:
         cmd += ["--cpus", ",".join(str(c) for c in cpus)]
+    if node is not None:
+        cmd += ["--node", node.to_arg()]
     child_env = trial_env(env)
 
     start = time.monotonic()
+    measures = node is None or node.node_rank == 0
+    # A multi-node trial's port is chosen by node 0's Ray task, known to every node: no retry here.
+    retries = PORT_RETRIES if node is None else 0
     # A build's rank (`module`) times its compiler from a fresh interpreter: always cold.
     helper = warm.shared_helper(child_env) if module is None and warm.enabled(child_env) else None
-    for attempt in range(1 + PORT_RETRIES):
-        result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop, helper)
+    for attempt in range(1 + retries):
+        result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop, helper, measures)
         # The rendezvous port is free when the launcher picks it but only bound seconds later,
         # once rank 0 has imported torch; another process may take it in between.
         clash = "address already in use" in f"{result.error} {result.log_tail}".lower()
-        if not (result.status == ERROR and clash) or attempt == PORT_RETRIES:
+        if not (result.status == ERROR and clash) or attempt == retries:
             break
     if attempt:
         result.extra["port_retries"] = attempt
@@ -100,6 +109,7 @@ def _run_once(
     deadline: float,
     stop: threading.Event | None,
     helper: warm.WarmHelper | None,
+    measures: bool = True,
 ) -> TrialResult:
     workdir = Path(spec.workdir)
     for stale in [workdir / "result.json", workdir / "exits.json", *workdir.glob("rank*.error.json")]:
@@ -123,7 +133,7 @@ def _run_once(
                 status=ERROR, error_kind="launch", error=f"cannot start the trial launcher: {err}"
             )
     ended = _supervise(launcher, deadline, stop)
-    result = classify(spec, workdir, launcher.returncode, ended)
+    result = classify(spec, workdir, launcher.returncode, ended, expect_result=measures)
     result.extra["session"] = launcher.pid  # the trial's session id (its launcher leads it)
     result.extra["start"] = how
     timeline = _timeline(workdir, started_at)
@@ -139,7 +149,7 @@ def _start_cold(cmd: list[str], env: dict[str, str], workdir: Path) -> subproces
         return subprocess.Popen(
             cmd,
             cwd=workdir,
-            env=env,
+            env={**env, "TUNER_LAUNCHER_PARENT": str(os.getpid())},  # see launcher._launch
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=launcher_log,
@@ -169,9 +179,26 @@ def _world_size(spec: TrialSpec) -> int:
     return int(c.get("dp", 1)) * int(c.get("tp", 1)) * int(c.get("pp", 1))
 
 
+def multi_node_refusal(nodes: int) -> str | None:
+    """Why a recipe of `nodes` machines cannot run on this machine's runner; None when it can."""
+    if nodes <= 1:
+        return None
+    return (
+        f"hardware.nodes is {nodes}: a trial over several machines needs the Ray executor "
+        "(--executor ray, or TUNER_EXECUTOR=ray for the service); set hardware.nodes to 1 to run here"
+    )
+
+
+def _multi_node(spec: TrialSpec) -> str | None:
+    return multi_node_refusal(int(spec.recipe.get("hardware", {}).get("nodes", 1) or 1))
+
+
 def _finish(spec: TrialSpec, result: TrialResult, start: float) -> TrialResult:
     result.wall_s = time.monotonic() - start
     result.node = socket.gethostname()
+    if not result.rank_nodes:  # one host ran every rank (a multi-node trial's driver overwrites it)
+        result.rank_nodes = [result.node] * _world_size(spec)
+        result.nodes = 1
     result.tag = spec.tag
     if result.estimated_peak_mem_bytes is None:
         result.estimated_peak_mem_bytes = spec.estimated_peak_mem_bytes
@@ -237,6 +264,8 @@ class LocalExecutor(Executor):
         return [i for i in self._devices(family) if i not in held]
 
     def free_slots(self, spec: TrialSpec) -> int:
+        if _multi_node(spec):
+            return 1  # submit answers at once with an "unschedulable" result
         world = _world_size(spec)
         with self._lock:
             if self._concurrent:
@@ -247,6 +276,12 @@ class LocalExecutor(Executor):
     def submit(self, spec: TrialSpec) -> None:
         if self.free_slots(spec) < 1:
             raise RuntimeError(f"no free {spec.family} slot for trial {spec.tag!r}; ask free_slots() first")
+        refusal = _multi_node(spec)
+        if refusal:
+            self._finished.put(
+                TrialResult(status=ERROR, error_kind="unschedulable", error=refusal, tag=spec.tag)
+            )
+            return
         stop = threading.Event()
         thread = threading.Thread(target=self._run, args=(spec, stop), name=f"trial-{spec.tag}", daemon=True)
         with self._lock:

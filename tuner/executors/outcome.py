@@ -23,7 +23,11 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-def classify(spec: TrialSpec, workdir: Path, launcher_rc: int | None, ended: str) -> TrialResult:
+def classify(
+    spec: TrialSpec, workdir: Path, launcher_rc: int | None, ended: str, expect_result: bool = True
+) -> TrialResult:
+    """`expect_result=False` for a node of a multi-node trial other than node 0: its ranks write no
+    result.json, so all of them exiting 0 is an ok without metrics."""
     if ended == "timeout":
         return TrialResult(
             status=TIMEOUT,
@@ -44,6 +48,8 @@ def classify(spec: TrialSpec, workdir: Path, launcher_rc: int | None, ended: str
     order = [(int(e["rank"]), int(e["returncode"])) for e in exits["exits"]]
     failed = [(r, rc) for r, rc in order if rc != 0]
     errors = {r: read_json(workdir / f"rank{r}.error.json") for r, _ in failed}
+    if not failed and not expect_result:
+        return TrialResult(status=OK)
     if not failed:
         data = read_json(workdir / "result.json")
         if data is None:

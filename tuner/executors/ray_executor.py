@@ -3,9 +3,11 @@ runner (`run_trial`) there, so a trial is still a process group of its own and t
 stays the only writer to the Optuna storage.
 
 Placement decisions:
-- A trial never spans nodes: its ranks rendezvous on 127.0.0.1, so a trial that needs more devices
-  than the largest node has comes back at once as an error ("unschedulable") instead of waiting in
-  Ray's queue forever. Placement groups across nodes are not used for the same reason.
+- A trial of `hardware.nodes` = 1 runs as one task on one node, its ranks rendezvous on 127.0.0.1. A
+  trial of K > 1 nodes is one placement group of K bundles (`STRICT_SPREAD`), one task per node
+  (`tuner.executors.ray_gang`); its ranks rendezvous at node 0's address. A trial no cluster state
+  could place comes back at once as an error ("unschedulable", naming the cluster's size) instead
+  of waiting in Ray's queue forever.
 - GPUs and NPUs are kept apart by Ray itself (`num_gpus`, `resources={"NPU": n}` set the visible
   devices). Ray does not pin CPU tasks to cores, so a CPU trial leases its cores from lock files
   (`CoreLease`, one directory per host: $TUNER_CORE_LEASE_DIR or /tmp/tuner-core-leases-<uid>) and
@@ -21,20 +23,33 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import math
 import os
 import socket
-import tempfile
-import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tuner.executors.base import Executor
-from tuner.record.status import ERROR, OOM
+from tuner.executors.ray_gang import (
+    Part,
+    Trial,
+    bundle_strategy,
+    combine,
+    gang_slots,
+    placement_group,
+    trial_nodes,
+    unschedulable,
+)
+from tuner.executors.ray_node import (  # noqa: F401 - CoreLease is part of this module's surface
+    CoreLease,
+    default_lease_dir,
+    error_result,
+    run_on_node,
+    trial_demand,
+    world_size,
+)
+from tuner.record.status import OOM
 from tuner.result import TrialResult, TrialSpec
 
 # cancel() first asks each task to stop its trial (run_trial's kill takes at most ~2 * 3 s), then
@@ -46,155 +61,7 @@ RESOURCE_LAG_S = 2.0
 _DEVICE_RESOURCE = {"cpu": "CPU", "cuda": "GPU", "npu": "NPU"}
 
 
-def default_lease_dir() -> str:
-    return os.environ.get("TUNER_CORE_LEASE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"tuner-core-leases-{os.getuid()}"
-    )
-
-
-def world_size(spec: TrialSpec) -> int:
-    c = spec.config
-    return int(c.get("dp", 1)) * int(c.get("tp", 1)) * int(c.get("pp", 1))
-
-
-def trial_demand(spec: TrialSpec) -> tuple[str, int]:
-    """(Ray resource name, amount) a trial reserves: one device, or on CPU one core, per rank."""
-    resource = _DEVICE_RESOURCE.get(spec.family)
-    if resource is None:
-        raise ValueError(f"family: unknown device family {spec.family!r}; use cpu, cuda or npu")
-    return resource, world_size(spec)
-
-
-# ---- what runs on the node ------------------------------------------------------------------------
-
-
-class CoreLease:
-    """Exclusive use of some CPU cores of this host, held as `flock`s on one file per core.
-
-    The directory is per host, not per Ray node: two Ray nodes on one machine share its cores. The
-    kernel drops the locks when the holder dies, so a killed worker never leaks its cores.
-    """
-
-    def __init__(self, cores: list[int], files: list[Any]):
-        self.cores = cores
-        self._files = files
-
-    @classmethod
-    def try_take(cls, count: int, lease_dir: str) -> CoreLease | None:
-        Path(lease_dir).mkdir(parents=True, exist_ok=True)
-        cores, files = [], []
-        for core in sorted(os.sched_getaffinity(0)):
-            f = open(os.path.join(lease_dir, f"core{core}.lock"), "a")  # noqa: SIM115 - held until release
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                f.close()
-                continue
-            cores.append(core)
-            files.append(f)
-            if len(cores) == count:
-                return cls(cores, files)
-        for f in files:
-            f.close()
-        return None
-
-    @classmethod
-    def take(cls, count: int, lease_dir: str, timeout_s: float) -> CoreLease | None:
-        """Wait up to `timeout_s` for `count` free cores (another Ray node on this host may hold them)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            lease = cls.try_take(count, lease_dir)
-            if lease is not None or time.monotonic() >= deadline:
-                return lease
-            time.sleep(0.2)
-
-    def release(self) -> None:
-        for f in self._files:
-            f.close()
-        self._files = []
-
-
-def _run_on_node(spec_dict: dict[str, Any], env: dict[str, str] | None, lease_dir: str):
-    """The Ray task (a generator): yields where it runs as soon as it starts, then the result dict."""
-    import ray
-
-    from tuner.executors.local import run_trial
-
-    ctx = ray.get_runtime_context()
-    where = {
-        "ray_node_id": ctx.get_node_id(),
-        "ray_node_ip": ray.util.get_node_ip_address(),
-        "worker_pid": os.getpid(),
-        # The GPUs/NPUs Ray gave this task (it also set CUDA_VISIBLE_DEVICES etc., which the ranks inherit).
-        "accelerator_ids": {kind: ids for kind, ids in ctx.get_accelerator_ids().items() if ids},
-    }
-    yield where  # tells the driver the trial left Ray's queue (see RayExecutor.free_slots)
-    spec = TrialSpec.from_dict(spec_dict)
-    lease = None
-    if spec.family == "cpu":
-        lease = CoreLease.take(world_size(spec), lease_dir, spec.timeout_s)
-        if lease is None:
-            yield _error(
-                spec,
-                "no_free_cores",
-                f"no {world_size(spec)} free cores on {socket.gethostname()} within {spec.timeout_s:g}s; "
-                f"other trials hold them (lock files in {lease_dir})",
-                where,
-            ).to_dict()
-            return
-    stop, done = threading.Event(), threading.Event()
-    box: dict[str, TrialResult] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = run_trial(spec, env=env, cpus=lease.cores if lease else None, stop=stop)
-        except Exception as err:  # noqa: BLE001 - a runner bug must still come back as a result
-            box["result"] = _error(spec, type(err).__name__, f"trial runner failed: {err}", where)
-        finally:
-            done.set()
-
-    # The trial runs in a thread so that ray.cancel's KeyboardInterrupt lands here, in the main
-    # thread, which then stops the trial and waits until its processes are gone. (Waiting on an
-    # Event, not Thread.join: an interrupted join marks a live thread as finished, bpo-45274.)
-    threading.Thread(target=target, name=f"trial-{spec.tag}", daemon=True).start()
-    try:
-        while not done.wait(0.2):
-            pass
-    except BaseException:
-        stop.set()
-        _wait_despite_interrupts(done)
-        raise
-    finally:
-        if lease is not None:
-            lease.release()
-    result = box["result"]
-    result.extra.update(where, cores=lease.cores if lease else None, node_wall_s=result.wall_s)
-    yield result.to_dict()
-
-
-def _wait_despite_interrupts(done: threading.Event) -> None:
-    """Wait for `done` even if Ray raises its cancel exception here again: the task must not end
-    (and the driver must not hear "cancelled") before the trial's processes are gone."""
-    while not done.is_set():
-        with contextlib.suppress(BaseException):  # a repeated cancel; keep waiting
-            done.wait()
-
-
-def _error(spec: TrialSpec, kind: str, message: str, where: dict[str, Any] | None = None) -> TrialResult:
-    return TrialResult(status=ERROR, error_kind=kind, error=message, tag=spec.tag, extra=dict(where or {}))
-
-
 # ---- the driver side ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Trial:
-    spec: TrialSpec
-    resource: str
-    amount: int
-    gen: Any  # ray.ObjectRefGenerator
-    submitted: float
-    where: dict[str, Any] | None = None  # set once the task started on a node
 
 
 class RayExecutor(Executor):
@@ -233,8 +100,8 @@ class RayExecutor(Executor):
         self._env = env
         self._lease_dir = lease_dir or default_lease_dir()
         # max_retries=0: a rerun after a worker died would measure the trial twice and report once.
-        self._task = ray.remote(max_retries=0, retry_exceptions=False, num_returns="streaming")(_run_on_node)
-        self._running: dict[str, _Trial] = {}
+        self._task = ray.remote(max_retries=0, retry_exceptions=False, num_returns="streaming")(run_on_node)
+        self._running: dict[str, Trial] = {}
         self._finished: list[TrialResult] = []
         self._ended: list[tuple[str, str, int, float]] = []  # (node, resource, amount, when)
 
@@ -248,29 +115,22 @@ class RayExecutor(Executor):
 
     def _unschedulable(self, spec: TrialSpec) -> str | None:
         resource, amount = trial_demand(spec)
+        nnodes = trial_nodes(spec)
         totals, _ = self._node_resources()
-        largest = max((int(t.get(resource, 0)) for t in totals.values()), default=0)
-        if amount <= largest:
-            return None
-        return (
-            f"the trial needs {amount} {resource} on one node (its ranks rendezvous on localhost) but the "
-            f"largest node has {largest} {resource}; lower hardware.devices to {largest} or add a bigger node"
-        )
+        return unschedulable(totals, resource, amount // nnodes, nnodes)
 
-    def _slots_now(self, resource: str, amount: int) -> int:
+    def _free_per_node(self, resource: str) -> tuple[dict[str, float], float]:
+        """What each node has free for us now, and what our queued tasks still ask for."""
         totals, avail = self._node_resources()
         mine: dict[str, float] = {}  # ours on each node, including just-ended trials Ray may still count
-        pending = 0.0
         recent = time.monotonic() - RESOURCE_LAG_S
         self._ended = [(node, r, a, t) for node, r, a, t in self._ended if t > recent]
-        placed = [(t.where["ray_node_id"], t.resource, t.amount) for t in self._running.values() if t.where]
+        placed = [p for t in self._running.values() for p in t.placed()]
         for node, res, amt in placed + [(node, r, a) for node, r, a, _ in self._ended]:
             if res == resource:
                 mine[node] = mine.get(node, 0.0) + amt
-        for t in self._running.values():
-            if t.resource == resource and t.where is None:
-                pending += t.amount
-        slots = 0
+        pending = float(sum(t.pending() for t in self._running.values() if t.resource == resource))
+        free = {}
         for node, total in totals.items():
             # Ray's view trails our starts and ends by ~0.1 s, and may show a task of ours as started
             # before its "started" message reached us. So other jobs hold what Ray counts as used
@@ -279,14 +139,23 @@ class RayExecutor(Executor):
             used = cap - avail.get(node, {}).get(resource, 0.0)
             others = max(0.0, used - mine.get(node, 0.0) - pending)
             running = sum(a for n, r, a in placed if n == node and r == resource)
-            slots += int(max(0.0, cap - others - running) // amount)
+            free[node] = max(0.0, cap - others - running)
+        return free, pending
+
+    def _slots_now(self, resource: str, amount: int, nnodes: int = 1) -> int:
+        free, pending = self._free_per_node(resource)
+        per_node = amount // nnodes
+        if nnodes == 1:
+            slots = sum(int(f // amount) for f in free.values())
+        else:  # a whole placement group or nothing: each part on a node of its own
+            slots = gang_slots(list(free.values()), per_node, nnodes)
         # Each queued task of ours takes a slot somewhere.
         return max(0, slots - math.ceil(pending / amount))
 
     def free_slots(self, spec: TrialSpec) -> int:
         if self._unschedulable(spec):
             return 1  # submit answers at once with an "unschedulable" result; never a silent 0
-        return self._slots_now(*trial_demand(spec))
+        return self._slots_now(*trial_demand(spec), trial_nodes(spec))
 
     # -- trials ----------------------------------------------------------------------------------
 
@@ -296,42 +165,94 @@ class RayExecutor(Executor):
         spec = dataclasses.replace(spec, workdir=os.path.abspath(spec.workdir))
         reason = self._unschedulable(spec)
         if reason:
-            self._finished.append(_error(spec, "unschedulable", reason))
+            self._finished.append(error_result(spec, "unschedulable", reason))
             return
         resource, amount = trial_demand(spec)
         if self.free_slots(spec) < 1:
             raise RuntimeError(f"no free {resource} slot for trial {spec.tag!r}; ask free_slots() first")
-        if resource == "CPU":
-            options = {"num_cpus": amount}
-        elif resource == "GPU":
+        nnodes = trial_nodes(spec)
+        trial = Trial(spec, resource, amount // nnodes, nnodes, time.monotonic())
+        if nnodes > 1:
+            # Reserved all at once or not at all: no trial waits half placed while others starve.
+            trial.group = placement_group(resource, trial.per_node, nnodes)
+        self._running[spec.tag] = trial
+        self._launch(trial, 0 if nnodes > 1 else None)
+
+    def _launch(self, trial: Trial, node_rank: int | None, master: dict[str, Any] | None = None) -> None:
+        """Start one part of `trial`: the whole trial, or the task of one of its nodes."""
+        amount = trial.per_node
+        if trial.resource == "CPU":
+            options: dict[str, Any] = {"num_cpus": amount}
+        elif trial.resource == "GPU":
             # The device is what a trial must own; its host threads are not worth blocking GPUs for.
             options = {"num_cpus": 0, "num_gpus": amount}
         else:
-            options = {"num_cpus": 0, "resources": {resource: amount}}
-        gen = self._task.options(**options).remote(spec.to_dict(), self._env, self._lease_dir)
-        self._running[spec.tag] = _Trial(spec, resource, amount, gen, time.monotonic())
+            options = {"num_cpus": 0, "resources": {trial.resource: amount}}
+        part = None
+        if node_rank is not None:
+            options["scheduling_strategy"] = bundle_strategy(trial.group, node_rank)
+            part = {"node_rank": node_rank, "nnodes": trial.nnodes, **(master or {})}
+        gen = self._task.options(**options).remote(trial.spec.to_dict(), self._env, self._lease_dir, part)
+        trial.parts.append(Part(gen, node_rank))
 
-    def _advance(self, trial: _Trial) -> TrialResult | None:
-        """Read the next item the trial's task produced; a TrialResult once it is over."""
-        result = self._read(trial)
-        if result is not None and trial.where:
-            # Ray's resource view may count the trial a moment longer (see _slots_now).
-            self._ended.append((trial.where["ray_node_id"], trial.resource, trial.amount, time.monotonic()))
+    def _advance(self, trial: Trial, part: Part) -> TrialResult | None:
+        """Read the next item a part's task produced; the trial's TrialResult once it is over."""
+        item = self._read(trial, part)
+        if item is None:
+            if part.node_rank == 0 and len(trial.parts) == 1:  # node 0 told the rendezvous address
+                master = {k: part.where[k] for k in ("master_addr", "master_port")}
+                for rank in range(1, trial.nnodes):
+                    self._launch(trial, rank, master)
+            return None
+        part.result = item
+        if part.where:
+            # Ray's resource view may count the trial a moment longer (see _free_per_node).
+            self._ended.append((part.where["ray_node_id"], trial.resource, trial.per_node, time.monotonic()))
+        if trial.failed() is not None and not trial.done():
+            self._stop_parts(trial)  # one node failed: the others' ranks would wait on it
+        if not trial.done():
+            return None
+        if trial.group is not None:
+            from ray.util import remove_placement_group
+
+            for p in trial.parts:  # let each task return first: removing the group kills its workers
+                _await_end(p.gen)
+            remove_placement_group(trial.group)
+        result = combine(trial)
+        # What a caller waits for, including Ray's scheduling and worker start (executor overhead).
+        result.wall_s = time.monotonic() - trial.submitted
         return result
 
-    def _read(self, trial: _Trial) -> TrialResult | None:
+    def _stop_parts(self, trial: Trial) -> None:
+        """End every part still running (gracefully, then by force) and collect their results."""
+        import ray
+
+        left = [(trial, p) for p in trial.parts if p.result is None]
+        for _, p in left:
+            ray.cancel(p.gen, force=False)
+        left = self._drain(left, CANCEL_GRACE_S)
+        for _, p in left:
+            ray.cancel(p.gen, force=True)
+        for _, p in self._drain(left, CANCEL_GRACE_S):
+            p.result = error_result(trial.spec, "cancelled", "the node's task did not stop", p.where)
+        # Nodes that were never launched (node 0 failed before reporting its address).
+        for rank in range(len(trial.parts), trial.nnodes):
+            trial.parts.append(Part(None, rank, result=error_result(trial.spec, "cancelled", "not started")))
+
+    def _read(self, trial: Trial, part: Part) -> TrialResult | None:
+        """The part's next item: None for where it runs (kept in `part.where`), else its result."""
         import ray
         from ray.exceptions import OutOfMemoryError, RayError, RayTaskError, TaskCancelledError
 
         try:
-            item = ray.get(next(trial.gen))
+            item = ray.get(next(part.gen))
         except StopIteration:
-            return _error(trial.spec, "worker_died", "the Ray task ended without a result", trial.where)
+            return error_result(trial.spec, "worker_died", "the Ray task ended without a result", part.where)
         except TaskCancelledError:
-            return _error(trial.spec, "cancelled", "the Ray task was cancelled", trial.where)
+            return error_result(trial.spec, "cancelled", "the Ray task was cancelled", part.where)
         except OutOfMemoryError as err:
-            result = _error(
-                trial.spec, "worker_died", f"Ray killed the worker: {_first_lines(err)}", trial.where
+            result = error_result(
+                trial.spec, "worker_died", f"Ray killed the worker: {_first_lines(err)}", part.where
             )
             result.status = OOM
             return result
@@ -343,19 +264,17 @@ class RayExecutor(Executor):
                 hint = (
                     "\nInstall this package (training-tuner, same version as the driver) on every Ray node."
                 )
-            return _error(
-                trial.spec, kind, f"the Ray task failed: {_first_lines(err, 12)}{hint}", trial.where
+            return error_result(
+                trial.spec, kind, f"the Ray task failed: {_first_lines(err, 12)}{hint}", part.where
             )
         except RayError as err:  # WorkerCrashedError, NodeDiedError, OwnerDiedError, ...
-            return _error(
-                trial.spec, "worker_died", f"{type(err).__name__}: {_first_lines(err)}", trial.where
+            return error_result(
+                trial.spec, "worker_died", f"{type(err).__name__}: {_first_lines(err)}", part.where
             )
         if "status" not in item:
-            trial.where = item
+            part.where = item
             return None
         result = TrialResult.from_dict(item)
-        # What a caller waits for, including Ray's scheduling and worker start (executor overhead).
-        result.wall_s = time.monotonic() - trial.submitted
         result.node = result.node or item.get("extra", {}).get("ray_node_ip")
         return result
 
@@ -368,11 +287,11 @@ class RayExecutor(Executor):
             remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             if remaining <= 0:
                 break
-            by_gen = {id(t.gen): t for t in self._running.values()}
-            ready, _ = ray.wait([t.gen for t in self._running.values()], num_returns=1, timeout=remaining)
+            by_gen = {id(p.gen): (t, p) for t in self._running.values() for p in t.parts if p.result is None}
+            ready, _ = ray.wait([p.gen for _, p in by_gen.values()], num_returns=1, timeout=remaining)
             for gen in ready:
-                trial = by_gen[id(gen)]
-                result = self._advance(trial)
+                trial, part = by_gen[id(gen)]
+                result = self._advance(trial, part)
                 if result is not None:
                     del self._running[trial.spec.tag]
                     out.append(result)
@@ -382,9 +301,15 @@ class RayExecutor(Executor):
         return list(self._running)
 
     def where(self, tag: str) -> dict[str, Any] | None:
-        """Node id, node IP and worker pid of a running trial; None while it is queued."""
+        """Node id, node IP and worker pid of a running trial (node 0's part of a multi-node one);
+        None while it is queued."""
         trial = self._running.get(tag)
-        return trial.where if trial else None
+        return trial.parts[0].where if trial and trial.parts else None
+
+    def placement(self, tag: str) -> list[dict[str, Any] | None]:
+        """Where each node's part of a running trial runs (node id, IP, worker pid), by node rank."""
+        trial = self._running.get(tag)
+        return [p.where for p in sorted(trial.parts, key=lambda p: p.node_rank or 0)] if trial else []
 
     def cancel(self) -> None:
         import ray
@@ -394,25 +319,37 @@ class RayExecutor(Executor):
         self._finished.clear()
         # Graceful first: the task stops its trial and returns only once the ranks are gone. A forced
         # cancel kills the worker at once and the ranks would die later (their parent-death signal).
-        for t in trials:
-            ray.cancel(t.gen, force=False)
-        left = self._drain(trials, CANCEL_GRACE_S)
-        for t in left:
-            ray.cancel(t.gen, force=True)
+        parts = [(t, p) for t in trials for p in t.parts if p.result is None]
+        for _, p in parts:
+            ray.cancel(p.gen, force=False)
+        left = self._drain(parts, CANCEL_GRACE_S)
+        for _, p in left:
+            ray.cancel(p.gen, force=True)
         self._drain(left, CANCEL_GRACE_S)
+        for t in trials:
+            if t.group is not None:
+                from ray.util import remove_placement_group
 
-    def _drain(self, trials: list[_Trial], timeout: float) -> list[_Trial]:
+                remove_placement_group(t.group)
+
+    def _drain(self, parts: list[tuple[Trial, Part]], timeout: float) -> list[tuple[Trial, Part]]:
         """Consume the tasks' outputs until each has ended; return those still going after `timeout`."""
         import ray
 
         deadline = time.monotonic() + timeout
-        left = list(trials)
+        left = list(parts)
         while left and time.monotonic() < deadline:
-            ready, _ = ray.wait([t.gen for t in left], num_returns=1, timeout=deadline - time.monotonic())
+            ready, _ = ray.wait([p.gen for _, p in left], num_returns=1, timeout=deadline - time.monotonic())
             for gen in ready:
-                trial = next(t for t in left if t.gen is gen)
-                if self._advance(trial) is not None:
-                    left.remove(trial)
+                trial, part = next((t, p) for t, p in left if p.gen is gen)
+                item = self._read(trial, part)
+                if item is not None:
+                    part.result = item
+                    left.remove((trial, part))
+                    if part.where:
+                        self._ended.append(
+                            (part.where["ray_node_id"], trial.resource, trial.per_node, time.monotonic())
+                        )
         return left
 
     def close(self) -> None:
@@ -436,6 +373,18 @@ def _check_reachable(address: str, source: str) -> None:
             f"{source}={address}: no Ray cluster answers there ({err.strerror or err}); start one with "
             "`ray start --head`, fix the address, or unset RAY_ADDRESS to run trials on a local Ray runtime"
         ) from None
+
+
+def _await_end(gen, timeout_s: float = 2.0) -> None:
+    """Wait (briefly) for a task that already sent its result to return."""
+    import ray
+
+    if gen is None:
+        return
+    with contextlib.suppress(Exception):  # StopIteration when it has returned; anything else: gone
+        ready, _ = ray.wait([gen], timeout=timeout_s)
+        if ready:
+            next(gen)
 
 
 def _first_lines(err: BaseException, lines: int = 4) -> str:

@@ -55,7 +55,9 @@ BREAKDOWN = "breakdown"  # step-time seconds by category (a profiled trial)
 LOG_PATH = "log_path"
 LOG_TAIL = "log_tail"
 NODE = "node"
-EVIDENCE_KEYS = (ERROR_KIND, LOSSES, STEP_TIMES, BREAKDOWN, LOG_PATH, LOG_TAIL, NODE)
+NODES = "nodes"  # distinct nodes the trial's ranks ran on
+RANK_NODES = "rank_nodes"  # each rank's node id, by rank: which ranks shared a node
+EVIDENCE_KEYS = (ERROR_KIND, LOSSES, STEP_TIMES, BREAKDOWN, LOG_PATH, LOG_TAIL, NODE, NODES, RANK_NODES)
 
 # ---- what the study driver records about a trial -------------------------------------------------
 ROLE = "role"  # why the trial ran: baseline, fp32_reference, warm_start, previous_best, retry, ...

@@ -1,0 +1,55 @@
+"""Where a trial's ranks run when they span machines: `NodePart` is one node's share of a trial
+(torchrun's node rank, node count and rendezvous address), and `rank_env` gives each rank
+torchrun's environment. Ranks are laid out node-major: node k holds global ranks
+k*L .. k*L+L-1 for L ranks per node, so the device mesh's innermost (tensor-parallel) groups
+stay inside a node whenever tp divides L (a feasibility rule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NodePart:
+    node_rank: int  # torchrun's GROUP_RANK / --node-rank
+    nnodes: int
+    master_addr: str  # node 0's address; rank 0's TCPStore listens there
+    master_port: int
+
+    def local_world(self, world: int) -> int:
+        if world % self.nnodes:
+            raise ValueError(f"{world} ranks do not split evenly over {self.nnodes} nodes")
+        return world // self.nnodes
+
+    def ranks(self, world: int) -> range:
+        """The global ranks this node runs."""
+        local = self.local_world(world)
+        return range(self.node_rank * local, (self.node_rank + 1) * local)
+
+    def to_arg(self) -> str:
+        return f"{self.node_rank},{self.nnodes},{self.master_addr},{self.master_port}"
+
+    @classmethod
+    def from_arg(cls, text: str) -> NodePart:
+        node_rank, nnodes, addr, port = text.split(",")
+        return cls(int(node_rank), int(nnodes), addr, int(port))
+
+
+SINGLE_HOST = "127.0.0.1"
+
+
+def rank_env(rank: int, world: int, port: int, node: NodePart | None = None) -> dict[str, str]:
+    """torchrun's environment for global rank `rank` of `world` (one host when `node` is None)."""
+    local_world = world if node is None else node.local_world(world)
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank % local_world),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "GROUP_RANK": str(0 if node is None else node.node_rank),
+        "NNODES": str(1 if node is None else node.nnodes),
+        "MASTER_ADDR": SINGLE_HOST if node is None else node.master_addr,
+        "MASTER_PORT": str(port if node is None else node.master_port),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }

@@ -1,0 +1,130 @@
+"""A trial that spans nodes, on the driver side: one Ray placement group with a bundle per node
+(`STRICT_SPREAD`, so each bundle lands on its own node and Ray reserves them all or none), one task
+per bundle. Node 0's task starts first and reports the rendezvous address (its node's IP and a
+free port); the other nodes' tasks start with it. Their results become one: node 0's measurement,
+or the first real failure of any node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tuner.record.status import OK
+from tuner.result import TrialResult, TrialSpec
+
+
+def trial_nodes(spec: TrialSpec) -> int:
+    return int(spec.recipe.get("hardware", {}).get("nodes", 1) or 1)
+
+
+@dataclass
+class Part:
+    """One node's task of a trial (the only part of a single-node trial)."""
+
+    gen: Any  # ray.ObjectRefGenerator
+    node_rank: int | None  # None: a single-node trial
+    where: dict[str, Any] | None = None  # set once the task started on a node
+    result: TrialResult | None = None
+
+
+@dataclass
+class Trial:
+    spec: TrialSpec
+    resource: str
+    per_node: int  # devices (CPU: cores) each node's part holds
+    nnodes: int
+    submitted: float
+    parts: list[Part] = field(default_factory=list)
+    group: Any = None  # the placement group of a multi-node trial
+
+    @property
+    def amount(self) -> int:
+        return self.per_node * self.nnodes
+
+    def placed(self) -> list[tuple[str, str, int]]:
+        return [(p.where["ray_node_id"], self.resource, self.per_node) for p in self.parts if p.where]
+
+    def pending(self) -> int:
+        """Devices asked for whose task has not started (a gang's unlaunched parts included)."""
+        started = sum(1 for p in self.parts if p.where)
+        return self.per_node * (self.nnodes - started)
+
+    def failed(self) -> Part | None:
+        return next((p for p in self.parts if p.result is not None and p.result.status != OK), None)
+
+    def done(self) -> bool:
+        return len(self.parts) == self.nnodes and all(p.result is not None for p in self.parts)
+
+
+def placement_group(resource: str, per_node: int, nnodes: int):
+    from ray.util.placement_group import placement_group as make
+
+    bundle = {resource: float(per_node)}
+    return make([dict(bundle) for _ in range(nnodes)], strategy="STRICT_SPREAD")
+
+
+def bundle_strategy(group, index: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=index, placement_group_capture_child_tasks=True
+    )
+
+
+def gang_slots(free_per_node: list[float], per_node: int, nnodes: int) -> int:
+    """How many more trials of `nnodes` parts of `per_node` devices fit, each part on its own node."""
+    bundles = sorted((int(f // per_node) for f in free_per_node), reverse=True)
+    slots = 0
+    while len([b for b in bundles if b > 0]) >= nnodes:
+        for i in range(nnodes):
+            bundles[i] -= 1
+        bundles.sort(reverse=True)
+        slots += 1
+    return slots
+
+
+def unschedulable(
+    totals: dict[str, dict[str, float]], resource: str, per_node: int, nnodes: int
+) -> str | None:
+    """Why no cluster state could ever place this trial, naming the cluster's size; None if one could."""
+    sizes = sorted((int(t.get(resource, 0)) for t in totals.values()), reverse=True) or [0]
+    cluster = f"the cluster has {len(sizes)} node(s), {sum(sizes)} {resource} in all"
+    if nnodes == 1:
+        if per_node <= sizes[0]:
+            return None
+        return (
+            f"the trial needs {per_node} {resource} on one node but the largest node has {sizes[0]} {resource} "
+            f"({cluster}); lower hardware.devices to {sizes[0]}, or spread the trial with hardware.nodes"
+        )
+    fitting = sum(1 for s in sizes if s >= per_node)
+    if fitting >= nnodes:
+        return None
+    return (
+        f"the trial needs {nnodes} nodes with {per_node} {resource} each (hardware.nodes={nnodes}) but "
+        f"{cluster}, and only {fitting} node(s) have {per_node}; lower hardware.devices or hardware.nodes"
+    )
+
+
+def combine(trial: Trial) -> TrialResult:
+    """One result for the whole trial: the first real failure of any node (a node that was only
+    cancelled because another failed is not the cause), else node 0's measurement, with where
+    every rank ran."""
+    failures = [p for p in trial.parts if p.result is not None and p.result.status != OK]
+    real = [p for p in failures if p.result.error_kind != "cancelled"] or failures
+    if real:
+        cause = real[0]
+        result = cause.result
+        if trial.nnodes > 1 and cause.node_rank is not None:
+            result.error = f"node {cause.node_rank} of {trial.nnodes}: {result.error}"
+    else:
+        result = next(p.result for p in trial.parts if not p.node_rank)
+    rank_nodes = []
+    for p in sorted(trial.parts, key=lambda p: p.node_rank or 0):
+        rank_nodes += [(p.where or {}).get("ray_node_id")] * trial.per_node
+    result.rank_nodes = rank_nodes
+    result.nodes = len({n for n in rank_nodes if n}) or None
+    result.extra["placement"] = [
+        {"node_rank": p.node_rank or 0, **{k: (p.where or {}).get(k) for k in ("ray_node_id", "ray_node_ip")}}
+        for p in trial.parts
+    ]
+    return result
