@@ -47,7 +47,13 @@ def cpu_s(pid: int) -> float:
 
 
 def drive(
-    base: str, token: str, paths: list[str], concurrency: int, method: str = "GET", body=None, pid: int | None = None
+    base: str,
+    token: str,
+    paths: list[str],
+    concurrency: int,
+    method: str = "GET",
+    body=None,
+    pid: int | None = None,
 ) -> dict:
     """Send every request in `paths` from `concurrency` threads; latency percentiles and rate, and
     the server's CPU milliseconds per request when its `pid` is given."""
