@@ -100,6 +100,16 @@ class Measurement:
     def _warm(self) -> bool:
         return bool(self.warmup) and settled(self.warmup)
 
+    @classmethod
+    def of(cls, plan: Plan, times: list[float]) -> Measurement:
+        """A measurement of these measured step times (no warm-up recorded)."""
+        m = cls(plan)
+        for dt in times:
+            m.times.append(dt)
+            bisect.insort(m._sorted, dt)
+            m.measured_s += dt
+        return m
+
     def add(self, dt: float) -> None:
         """Record one step that took `dt` seconds (the slowest rank's time)."""
         if self.warming_up:

@@ -156,7 +156,13 @@ def plan_of(m: MeasureSpec) -> Plan:
     return Plan(m.warmup_steps, m.steps, target_ci=m.target_ci, max_seconds=min(float(m.max_seconds), cap))
 
 
-def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[Measurement, list[float]]:
+def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[list[float], list[float]]:
+    """The measured step times and losses (see `measure_adaptive`); what a build rank uses."""
+    run, losses = measure_adaptive(train, spec, baseline)
+    return run.times, losses
+
+
+def measure_adaptive(train: Training, spec: TrialSpec, baseline: int) -> tuple[Measurement, list[float]]:
     """Warm-up until the step time settles, then measured steps until the median's interval is
     tight or the time cap passes; (the measurement, global losses of the compared steps).
 
@@ -200,7 +206,7 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
     if env.rank == 0:
         print(f"trial {spec.tag or '-'}: {env.world_size} ranks, {torch.get_num_threads()} threads/rank, "
               f"{train.n_microbatches} microbatches/step, {train.local_params():,} params on rank 0", flush=True)  # fmt: skip
-    run, losses = measure(train, spec, baseline)
+    run, losses = measure_adaptive(train, spec, baseline)
     mem = memory_peak(spec.family, baseline)
     # The worst rank's peak; -1 stands for "not reported" (CPU has no allocator view).
     alloc, reserved, active, frag = _max_over_ranks(
@@ -229,12 +235,17 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
         return None
     if report is not None:
         write_breakdown(report, Path(spec.workdir) / "profile")
-    return _result(train, spec, run, losses, memory, report, ranks)
+    return _result(train, spec, run.times, losses, memory, report, ranks, run)
 
 
-def _result(train: Training, spec: TrialSpec, run: Measurement, losses, memory, report, ranks) -> TrialResult:
-    """Rank 0's TrialResult; `memory` is run_rank's worst-rank reading ({} when not measured)."""
-    recipe, world, times = train.recipe, train.env.world_size, run.times
+def _result(
+    train: Training, spec: TrialSpec, times, losses, memory, report, ranks, run: Measurement | None = None
+) -> TrialResult:
+    """Rank 0's TrialResult; `memory` is run_rank's worst-rank reading ({} when not measured);
+    `run` the adaptive measurement the times came from (None: a plain list of step times)."""
+    recipe, world = train.recipe, train.env.world_size
+    if run is None:
+        run = Measurement.of(plan_of(recipe.measure), list(times))
     median = statistics.median(times)
     dtype = matmul_dtype_name(train.config)
     peak = peak_tflops(describe(spec.family), dtype, torch.get_num_threads())
