@@ -2,8 +2,11 @@
 
 Strategies:
 - `tuner`: this project's tuner, the same code path as `tuner tune` (`tuner.study.run_study`: the
-  baseline first, feasibility and estimator pruning, duplicate reuse, its TPE sampler), with only
-  the executor replaced by a table lookup (`TableExecutor`).
+  baseline first, feasibility and estimator pruning, duplicate reuse, and the sampler `tuner tune`
+  uses by default, `search.sampler`'s default), with only the executor replaced by a table lookup
+  (`TableExecutor`).
+- `model`: the same with the performance-model sampler (`search.sampler: model`).
+- `tuner_tpe`: the same with the TPE sampler (what `tuner` was before the model sampler).
 - `tpe`: plain Optuna TPE over the same knobs (no pruning, no baseline); failures are told FAIL.
 - `random`: random search over the space, without repeats.
 - `grid`: the space in grid order.
@@ -48,7 +51,7 @@ from tuner.recipe import recipe_from_dict  # noqa: E402
 from tuner.result import TrialResult, TrialSpec  # noqa: E402
 from tuner.space import load_space  # noqa: E402
 
-STRATEGIES = ("tuner", "tpe", "random", "grid", "largest_mbs")
+STRATEGIES = ("tuner", "model", "tuner_tpe", "tpe", "random", "grid", "largest_mbs")
 
 
 @dataclass
@@ -154,7 +157,8 @@ def _space(table: Table):
     return load_space(r.search.space or "cpu").narrow(r.search.overrides)
 
 
-def strategy_tuner(table: Table, seed: int, budget: int) -> list[Run]:
+def strategy_tuner(table: Table, seed: int, budget: int, sampler: str | None = None) -> list[Run]:
+    from tuner.recipe import SearchSpec
     from tuner.study import run_study
 
     ex = TableExecutor(table, random.Random(seed))
@@ -167,7 +171,7 @@ def strategy_tuner(table: Table, seed: int, budget: int) -> list[Run]:
             trials=budget * 3,
             timeout_s=1e9,
             patience=None,
-            sampler="tpe",
+            sampler=sampler or SearchSpec.model_fields["sampler"].default,
             seed=seed,
             remeasure_top=0,
             workdir=tmp,
@@ -176,6 +180,14 @@ def strategy_tuner(table: Table, seed: int, budget: int) -> list[Run]:
             should_stop=lambda: len(ex.runs) >= budget,
         )
     return ex.runs[:budget]
+
+
+def strategy_model(table: Table, seed: int, budget: int) -> list[Run]:
+    return strategy_tuner(table, seed, budget, sampler="model")
+
+
+def strategy_tuner_tpe(table: Table, seed: int, budget: int) -> list[Run]:
+    return strategy_tuner(table, seed, budget, sampler="tpe")
 
 
 def strategy_tpe(table: Table, seed: int, budget: int) -> list[Run]:

@@ -41,7 +41,7 @@ def _number(value: Any) -> Any:
 Real = Annotated[float, BeforeValidator(_number)]
 
 
-Sampler = Literal["tpe", "gp", "cmaes", "random", "grid"]
+Sampler = Literal["tpe", "model", "gp", "cmaes", "random", "grid"]
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
 
 
