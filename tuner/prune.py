@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from tuner.config import Config, infeasible_reasons
 from tuner.devices import DeviceInfo
-from tuner.estimate import OOM_MARGIN, budget_bytes, estimate, predicts_oom
+from tuner.estimate import OOM_MARGIN, Estimate, budget_bytes, estimate, predicts_oom
 from tuner.recipe import Recipe
 
 __all__ = ["OOM_MARGIN", "OomFloor", "Verdict", "calibration_factor", "oom_floor", "verdict"]
@@ -76,17 +76,19 @@ def verdict(
     device: DeviceInfo,
     calibration: float = 1.0,
     floor: OomFloor | None = None,
+    est: Estimate | None = None,
 ) -> Verdict:
     """Feasibility first (cheap, certain), then the memory estimate against the budget, then
     the OOM floor.
 
     `calibration` scales the estimate by what this study measured so far (`calibration_factor`);
-    `floor` holds what ran out of memory in it (`oom_floor`).
+    `floor` holds what ran out of memory in it (`oom_floor`); `est`, the config's estimate when
+    the caller has it already (the model sampler judges thousands of configs per trial).
     """
     reasons = infeasible_reasons(config, recipe, device)
     if reasons:
         return Verdict("infeasible: " + "; ".join(reasons))
-    est = estimate(recipe, config, device)
+    est = est or estimate(recipe, config, device)
     budget = budget_bytes(recipe, device)
     peak = int(est.peak_mem_bytes)
     if predicts_oom(est, budget, calibration=calibration):

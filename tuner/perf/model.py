@@ -57,6 +57,13 @@ MULTIPLIERS: tuple[tuple[str, object], ...] = (
     ("dp_shard", "fsdp"),
 )
 MULTIPLIER_SD = 0.35
+# Prior means that are not 0: a DDP communication hook adds kernels on every bucket (casts, or
+# PowerSGD's low-rank matmuls), which a traffic-only formula would otherwise count as free.
+MULTIPLIER_PRIOR = {
+    ("grad_compression", "fp16"): 0.03,
+    ("grad_compression", "bf16"): 0.03,
+    ("grad_compression", "powersgd"): 0.08,
+}
 
 COEF_NAMES = tuple(c.name for c in PHYSICAL) + tuple(f"x:{k}={v}" for k, v in MULTIPLIERS)
 
@@ -74,7 +81,7 @@ def prior(priors: DevicePriors) -> tuple[np.ndarray, np.ndarray]:
         0.0,
     ]
     sd = [c.prior_sd for c in PHYSICAL]
-    mean += [0.0] * len(MULTIPLIERS)
+    mean += [MULTIPLIER_PRIOR.get(m, 0.0) for m in MULTIPLIERS]
     sd += [MULTIPLIER_SD] * len(MULTIPLIERS)
     return np.array(mean), np.array(sd)
 

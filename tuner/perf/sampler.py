@@ -136,16 +136,19 @@ class ModelSampler(optuna.samplers.BaseSampler):
         ][-RECENT:]
         return len(misses) == RECENT and float(np.median(misses)) > MISS_LIMIT
 
-    def _predict(self, configs: list[Config]):
-        ctx = self.context
+    def _cached(self, configs: list[Config]) -> list[tuple]:
+        """(StepWork, Features row) per config, computed once per config of the study."""
         missing = [c for c in configs if c.key() not in self._features]
         if missing:
-            works, f = self.predictor.features(ctx.recipe, missing)
+            works, f = self.predictor.features(self.context.recipe, missing)
             for i, c in enumerate(missing):
                 self._features[c.key()] = (works[i], f.take([i]))
-        rows = [self._features[c.key()] for c in configs]
+        return [self._features[c.key()] for c in configs]
+
+    def _predict(self, configs: list[Config]):
+        rows = self._cached(configs)
         f = Features.concat([r[1] for r in rows])
-        return self.predictor.predict(ctx.recipe, configs, ([r[0] for r in rows], f))
+        return self.predictor.predict(self.context.recipe, configs, ([r[0] for r in rows], f))
 
     def _pool_for(self, measured: list[tuple[float, Config]]) -> list[Config]:
         ctx = self.context
@@ -179,10 +182,11 @@ class ModelSampler(optuna.samplers.BaseSampler):
         measured = [
             (t.values[0], c) for t in complete if t.values and (c := _config_of(t.params)) is not None
         ]
+        untried = [c for c in self._pool_for(measured) if c.key() not in tried]
         pool = [
             c
-            for c in self._pool_for(measured)
-            if c.key() not in tried and verdict(c, ctx.recipe, ctx.device, calibration, floor).reason is None
+            for c, (work, _) in zip(untried, self._cached(untried), strict=True)
+            if verdict(c, ctx.recipe, ctx.device, calibration, floor, est=work.estimate).reason is None
         ]
         if not pool:
             return None

@@ -5,11 +5,11 @@ formulas (`tuner.estimate`, `tuner.workload.flops`) and the performance model.""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tuner.config import Config, microbatches
 from tuner.devices import DeviceInfo
-from tuner.estimate import MiB, estimate
+from tuner.estimate import Estimate, MiB, estimate
 from tuner.recipe import Recipe
 
 # Bytes per element moved by a gradient all-reduce under each DDP communication hook.
@@ -34,6 +34,7 @@ class StepWork:
     pp: int
     ranks: int
     peak_mem_bytes: int  # the memory estimator's prediction
+    estimate: Estimate = field(compare=False, repr=False)  # all of it (prune.verdict takes it)
 
     @property
     def bubble_factor(self) -> float:
@@ -87,4 +88,5 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         pp=c.pp,
         ranks=c.world_size,
         peak_mem_bytes=int(est.peak_mem_bytes),
+        estimate=est,
     )
