@@ -95,9 +95,9 @@ def fingerprint_observations(url: str, fingerprint_hash: str) -> list[Observatio
     from tuner.record.reader import study_attrs_of_all
     from tuner.storage import get_storage
 
+    storage = get_storage(url)  # creates Optuna's tables in a new database: then no studies
     with session_scope(url) as session:
         studies = study_attrs_of_all(session, (keys.RECIPE, keys.FINGERPRINT_HASH))
-    storage = get_storage(url)
     out: list[Observation] = []
     for name, attrs in sorted(studies.items()):
         if attrs.get(keys.FINGERPRINT_HASH) != fingerprint_hash:
