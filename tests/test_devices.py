@@ -187,3 +187,45 @@ def test_this_cpus_fast_dtypes_agree_with_what_torch_and_the_kernel_report():
     if flags is not None and torch.cpu._is_avx512_supported():  # x86 Linux: the kernel's view too
         assert ("bf16" in info.fast_dtypes) == bool({"avx512_bf16", "amx_bf16"} & flags)
         assert ("fp16" in info.fast_dtypes) == bool({"avx512_fp16", "amx_fp16"} & flags)
+
+
+def test_cuda_memory_reports_fragmentation_from_the_allocator_peaks(monkeypatch):
+    """A unit test of the arithmetic around torch.cuda.memory_stats (no GPU here); the real
+    reading runs in benchmarks/cuda_measure.py."""
+    stats = {"allocated_bytes.all.peak": 700, "reserved_bytes.all.peak": 1000, "active_bytes.all.peak": 760}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: stats)
+    peak = devices.memory_peak("cuda")
+    assert (peak.allocated, peak.reserved, peak.active, peak.fragmentation) == (700, 1000, 760, 300)
+
+
+def test_cpu_memory_has_no_allocator_view():
+    peak = devices.memory_peak("cpu", devices.reset_peak_memory("cpu"))
+    assert peak.allocated == peak.reserved and peak.active is None and peak.fragmentation is None
+
+
+def test_alloc_conf_sets_the_allocator_variable_and_keeps_the_users_options():
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8,expandable_segments:False"}
+    assert devices.alloc_env("cuda", "expandable_segments", env) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8,expandable_segments:True"
+    }
+    assert devices.alloc_env("npu", "expandable_segments", {}) == {
+        "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"
+    }
+    assert devices.alloc_env("cuda", "default", env) == {}
+    assert devices.alloc_env("cpu", "expandable_segments", {}) == {}
+
+
+def test_alloc_conf_is_a_gpu_knob_refused_on_cpu_with_the_reason():
+    from tuner.config import Config, infeasible_reasons
+    from tuner.recipe import recipe_from_dict
+    from tuner.space import load_space
+
+    recipe = recipe_from_dict({"name": "t", "model": {"layers": 2, "hidden": 64, "heads": 2, "seq_len": 32,
+                               "vocab": 256}, "train": {"global_batch_size": 4}, "hardware": {"devices": 1}})  # fmt: skip
+    reasons = infeasible_reasons(Config(alloc_conf="expandable_segments"), recipe, devices.describe("cpu"))
+    assert any(
+        r.startswith("alloc_conf=expandable_segments configures the CUDA/NPU caching allocator")
+        for r in reasons
+    )
+    assert load_space("cuda").domains["alloc_conf"] == ("default", "expandable_segments")
+    assert load_space("cpu").domains["alloc_conf"] == ("default",)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tuner.attention_kernels import compute_dtype, fp32_backends, kernel_reasons
 from tuner.config import Config
 from tuner.devices import DeviceInfo
 from tuner.prune import verdict
@@ -39,20 +40,22 @@ def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> C
         for name in default.to_dict()
         if name not in ("dp", "tp", "pp")
     }
-    attention = [a for a in _FAST_ATTENTION if a in device.attention_backends] + ["math"]
-    values.update(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        recompute=_pick(space, "recompute", ["none"]),
-        attention=_pick(space, "attention", attention),
-    )
+    values.update(dp=dp, tp=tp, pp=pp, recompute=_pick(space, "recompute", ["none"]))
     allowed = space.domains["amp_dtype"] or ()
     fast = [d for d in device.fast_dtypes if d in device.amp_dtypes and d in allowed]
     if fast:
         values.update(amp=_pick(space, "amp", ["O1"]), amp_dtype=fast[0])
     else:
         values.update(amp=_pick(space, "amp", ["O0"]))
+    # The fused kernel that takes the dtype chosen above (flash cannot run an fp32 baseline on CUDA).
+    dtype = compute_dtype(values["amp"], values["amp_dtype"])
+    attention = [
+        a
+        for a in (*_FAST_ATTENTION, "math")
+        if a in device.attention_backends
+        and not kernel_reasons(device.family, a, dtype, recipe.model.head_dim)
+    ]
+    values["attention"] = _pick(space, "attention", attention)
     sizes = sorted(space.domains["micro_batch_size"] or (1,), reverse=True)
     candidates = [Config(**{**values, "micro_batch_size": m}) for m in sizes]
     for config in candidates:
@@ -60,3 +63,15 @@ def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> C
             return config
     # Nothing fits: the smallest micro-batch is the honest baseline; the study prunes it.
     return candidates[-1]
+
+
+def fp32_reference(base: Config, device: DeviceInfo, space: SearchSpace) -> Config | None:
+    """The fp32 (O0) run every low-precision config's losses are checked against: the baseline
+    at O0, with an attention kernel that runs in fp32 (flash and cuDNN attention on CUDA, and
+    npu_fusion_attention on Ascend, take fp16/bf16 only). None when the space has no O0."""
+    if base.amp == "O0" or "O0" not in (space.domains["amp"] or ()):
+        return None
+    attention = base.attention
+    if attention not in fp32_backends(device.family, device.attention_backends):
+        attention = _pick(space, "attention", fp32_backends(device.family, device.attention_backends))
+    return Config(**{**base.to_dict(), "amp": "O0", "attention": attention})

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tuner.attention_kernels import compute_dtype, kernel_reasons
 from tuner.devices import DeviceInfo
 from tuner.recipe import Recipe
 
@@ -94,6 +95,12 @@ KNOBS: dict[str, Knob] = {
         Knob("loader_workers", int, None, "DataLoader worker processes."),
         Knob("pin_memory", bool, (False, True), "Pinned host memory for the DataLoader."),
         Knob("cpu_affinity", str, ("none", "per_rank"), "Bind each rank to its own cores."),
+        Knob(
+            "alloc_conf",
+            str,
+            ("default", "expandable_segments"),
+            "Caching-allocator setting (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_NPU_ALLOC_CONF).",
+        ),
     ]
 }
 
@@ -121,6 +128,7 @@ class Config:
     loader_workers: int = 0
     pin_memory: bool = False
     cpu_affinity: str = "none"
+    alloc_conf: str = "default"
 
     @property
     def world_size(self) -> int:
@@ -186,6 +194,7 @@ def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> li
     return [
         *_split_reasons(config, recipe, device),
         *_device_reasons(config, device),
+        *_attention_reasons(config, recipe, device),
         *_combination_reasons(config, device),
     ]
 
@@ -241,6 +250,10 @@ def _device_reasons(config: Config, device: DeviceInfo) -> list[str]:
         r.append(f"compile={config.compile} is not available on {device.family}")
     if config.offload and not device.supports_offload:
         r.append(f"offload moves activations to host memory; on {device.family} they already are there")
+    if config.alloc_conf != "default" and device.family not in ("cuda", "npu"):
+        r.append(
+            f"alloc_conf={config.alloc_conf} configures the CUDA/NPU caching allocator; {device.family} has none"
+        )
     if config.pin_memory and not device.supports_pin_memory:
         r.append(f"pin_memory needs an accelerator; {device.family} has none")
     if config.dp > 1 and config.dp_shard == "ddp":
@@ -252,6 +265,14 @@ def _device_reasons(config: Config, device: DeviceInfo) -> list[str]:
         if config.grad_compression == "powersgd" and device.backend == "hccl":
             r.append("grad_compression=powersgd is not supported with hccl")
     return r
+
+
+def _attention_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
+    """The attention kernel against the dtype it would run in and the model's head size."""
+    if config.attention not in device.attention_backends:
+        return []  # already refused by _device_reasons
+    dtype = compute_dtype(config.amp, config.amp_dtype)
+    return kernel_reasons(device.family, config.attention, dtype, recipe.model.head_dim)
 
 
 def _combination_reasons(config: Config, device: DeviceInfo) -> list[str]:

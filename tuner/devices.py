@@ -21,35 +21,9 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("cpu", "cuda", "npu")
+from tuner.device_table import CATALOG, PEAK_TFLOPS
 
-# Dense peak TFLOP/s per device (no sparsity), by substring of the device name, most specific
-# first. Sources: vendor datasheets. Used for MFU; unknown accelerators fall back to a measured
-# matmul like the CPU does.
-_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
-    ("H100", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-    ("H800", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-    ("H20", {"fp32": 44.0, "tf32": 74.0, "bf16": 148.0, "fp16": 148.0}),
-    ("GH200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-    ("B200", {"fp32": 80.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0}),
-    ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
-    ("A800", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
-    ("A10G", {"fp32": 31.2, "tf32": 70.0, "bf16": 140.0, "fp16": 140.0}),
-    ("A10", {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0}),
-    ("L40S", {"fp32": 91.6, "tf32": 183.0, "bf16": 362.0, "fp16": 362.0}),
-    ("L4", {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}),
-    ("RTX 4090", {"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2}),
-    ("V100", {"fp32": 15.7, "tf32": 15.7, "bf16": 15.7, "fp16": 125.0}),
-    ("T4", {"fp32": 8.1, "tf32": 8.1, "bf16": 8.1, "fp16": 65.0}),
-    # Ascend (torch_npu reports names such as "Ascend910B2").
-    ("910B1", {"fp32": 94.0, "tf32": 94.0, "bf16": 378.0, "fp16": 378.0}),
-    ("910B2", {"fp32": 94.0, "tf32": 94.0, "bf16": 353.0, "fp16": 353.0}),
-    ("910B3", {"fp32": 75.0, "tf32": 75.0, "bf16": 313.0, "fp16": 313.0}),
-    ("910B4", {"fp32": 70.0, "tf32": 70.0, "bf16": 280.0, "fp16": 280.0}),
-    ("910", {"fp32": 64.0, "tf32": 64.0, "bf16": 256.0, "fp16": 256.0}),
-]
+FAMILIES = ("cpu", "cuda", "npu")
 
 
 @dataclass(frozen=True)
@@ -195,53 +169,78 @@ def describe(family: str) -> DeviceInfo:
         )
     if family == "cuda":
         props = torch.cuda.get_device_properties(0)
-        major, minor = props.major, props.minor
-        attn = ["math", "efficient"]
-        if major >= 8:
-            attn += ["flash", "cudnn"]
-        dtypes = ("bf16", "fp16") if major >= 8 else ("fp16",)
-        return DeviceInfo(
-            family="cuda",
-            name=props.name,
-            count=torch.cuda.device_count(),
-            memory_bytes=props.total_memory,
-            backend="nccl",
-            attention_backends=tuple(attn),
-            amp_dtypes=dtypes,
-            compile_modes=("none", "default", "max-autotune", "reduce-overhead"),
-            fast_dtypes=fast_dtypes("cuda", capability=major),
-            supports_tf32=major >= 8,
-            supports_pin_memory=True,
-            supports_offload=True,
-            extra={"capability": f"{major}.{minor}", "cuda": torch.version.cuda},
-        )
+        return cuda_info(
+            props.name, (props.major, props.minor), torch.cuda.device_count(), props.total_memory,
+            torch.version.cuda or "",
+        )  # fmt: skip
     if family == "npu":
         mod = npu_module()
         if mod is None:
             raise ValueError("npu requested but torch_npu is not importable or sees no device")
         npu = torch.npu
-        name = npu.get_device_name(0)
-        total = npu.get_device_properties(0).total_memory
-        return DeviceInfo(
-            family="npu",
-            name=name,
-            count=npu.device_count(),
-            memory_bytes=total,
-            backend="hccl",
-            attention_backends=("math", "npu_fusion"),
-            amp_dtypes=("bf16", "fp16"),
-            # torch.compile on Ascend needs torchair, which we do not drive; eager only.
-            compile_modes=("none",),
-            fast_dtypes=fast_dtypes("npu"),
-            supports_pin_memory=True,
-            supports_offload=True,
-            extra={"torch_npu": getattr(mod, "__version__", "unknown")},
-        )
+        return npu_info(
+            npu.get_device_name(0), npu.device_count(), npu.get_device_properties(0).total_memory,
+            getattr(mod, "__version__", "unknown"),
+        )  # fmt: skip
     raise ValueError(f"unknown device family {family!r}")
 
 
+def cuda_info(name: str, capability: tuple[int, int], count: int, memory_bytes: int, cuda: str) -> DeviceInfo:
+    """What an NVIDIA GPU of this compute capability offers (one rule for real and catalogued GPUs)."""
+    major, minor = capability
+    attn = ["math", "efficient"]
+    if major >= 8:  # flash and cuDNN attention need Ampere (sm_80) or newer
+        attn += ["flash", "cudnn"]
+    return DeviceInfo(
+        family="cuda",
+        name=name,
+        count=count,
+        memory_bytes=memory_bytes,
+        backend="nccl",
+        attention_backends=tuple(attn),
+        amp_dtypes=("bf16", "fp16") if major >= 8 else ("fp16",),
+        compile_modes=("none", "default", "max-autotune", "reduce-overhead"),
+        fast_dtypes=fast_dtypes("cuda", capability=major),
+        supports_tf32=major >= 8,
+        supports_pin_memory=True,
+        supports_offload=True,
+        extra={"capability": f"{major}.{minor}", "cuda": cuda},
+    )
+
+
+def npu_info(name: str, count: int, memory_bytes: int, torch_npu_version: str) -> DeviceInfo:
+    """What an Ascend NPU offers through torch_npu."""
+    return DeviceInfo(
+        family="npu",
+        name=name,
+        count=count,
+        memory_bytes=memory_bytes,
+        backend="hccl",
+        attention_backends=("math", "npu_fusion"),
+        amp_dtypes=("bf16", "fp16"),
+        # torch.compile on Ascend needs torchair, which we do not drive; eager only.
+        compile_modes=("none",),
+        fast_dtypes=fast_dtypes("npu"),
+        supports_pin_memory=True,
+        supports_offload=True,
+        extra={"torch_npu": torch_npu_version},
+    )
+
+
+def known_device(key: str, count: int = 8) -> DeviceInfo:
+    """A device of the catalogue (`tuner.device_table.CATALOG`, e.g. "H100", "910B"), described
+    without the hardware: for rule checks and plans of machines this one is not."""
+    entry = CATALOG.get(key)
+    if entry is None:
+        raise ValueError(f"unknown device {key!r}; known: {', '.join(CATALOG)}")
+    gib = entry.memory_gib * 2**30
+    if entry.family == "cuda":
+        return cuda_info(entry.name, entry.capability, count, int(gib), "")
+    return npu_info(entry.name, count, int(gib), "")
+
+
 def table_peak_tflops(name: str, dtype: str) -> float | None:
-    for key, peaks in _PEAK_TFLOPS:
+    for key, peaks in PEAK_TFLOPS:
         if key.lower() in name.lower():
             return peaks.get(dtype)
     return None
@@ -365,19 +364,58 @@ def reset_peak_memory(family: str) -> int:
 
 
 def peak_memory(family: str, baseline: int = 0) -> tuple[int, int]:
-    """(allocated, reserved) peak bytes since `reset_peak_memory`.
+    """(allocated, reserved) peak bytes since `reset_peak_memory`."""
+    peak = memory_peak(family, baseline)
+    return peak.allocated, peak.reserved
 
-    CPU: both are the resident-set growth over the baseline (RSS high water mark - baseline).
-    """
-    if family == "cuda":
-        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    if family == "npu":
-        return torch.npu.max_memory_allocated(), torch.npu.max_memory_reserved()
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """Peak memory of one rank since `reset_peak_memory`, as the device's allocator reports it."""
+
+    allocated: int  # bytes in tensors
+    reserved: int  # bytes the caching allocator holds from the device
+    active: int | None = None  # bytes in active blocks (incl. freed-but-not-yet-reusable); CUDA/NPU
+
+    @property
+    def fragmentation(self) -> int | None:
+        """Reserved minus allocated at the peak: what the pool holds but no tensor uses. The two
+        peaks may fall at different moments, so this bounds the waste at the allocation peak from
+        above. None on CPU, where there is no caching allocator (both read the resident set)."""
+        return None if self.active is None else max(0, self.reserved - self.allocated)
+
+
+def memory_peak(family: str, baseline: int = 0) -> MemoryPeak:
+    """CPU: allocated and reserved are both the resident-set growth over `baseline` (RSS high
+    water mark - baseline); CUDA/NPU: the allocator's peak statistics."""
+    if family in ("cuda", "npu"):
+        stats = (torch.cuda if family == "cuda" else torch.npu).memory_stats()
+        return MemoryPeak(
+            allocated=int(stats.get("allocated_bytes.all.peak", 0)),
+            reserved=int(stats.get("reserved_bytes.all.peak", 0)),
+            active=int(stats.get("active_bytes.all.peak", 0)),
+        )
     hwm = _proc_status_kb("VmHWM") * 1024
     if hwm == 0:  # no /proc: fall back to getrusage (kilobytes on Linux)
         hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     growth = max(0, hwm - baseline)
-    return growth, growth
+    return MemoryPeak(growth, growth)
+
+
+# The allocator's environment variable per family, and what each `alloc_conf` knob value adds.
+ALLOC_CONF_ENV = {"cuda": "PYTORCH_CUDA_ALLOC_CONF", "npu": "PYTORCH_NPU_ALLOC_CONF"}
+_ALLOC_CONF = {"default": "", "expandable_segments": "expandable_segments:True"}
+
+
+def alloc_env(family: str, alloc_conf: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a trial's ranks need for the `alloc_conf` knob, set before the device's
+    allocator starts. Options the user already set in that variable are kept."""
+    var, option = ALLOC_CONF_ENV.get(family), _ALLOC_CONF[alloc_conf]
+    if var is None or not option:
+        return {}
+    current = (os.environ if environ is None else environ).get(var, "")
+    kept = [o for o in current.split(",") if o and not o.startswith("expandable_segments")]
+    return {var: ",".join([*kept, option])}
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -54,6 +54,8 @@ class TrialResult:
     mfu: float | None = None
     peak_mem_allocated_bytes: int | None = None
     peak_mem_reserved_bytes: int | None = None
+    peak_mem_active_bytes: int | None = None  # CUDA/NPU allocator only
+    mem_fragmentation_bytes: int | None = None  # reserved - allocated at the peak (CUDA/NPU)
     estimated_peak_mem_bytes: int | None = None
     loss: float | None = None
     error: str | None = None

@@ -72,6 +72,7 @@ _ORDER = (
     "loader_workers",
     "pin_memory",
     "cpu_affinity",
+    "alloc_conf",
 )
 assert set(_ORDER) | set(_DEGREES) == set(KNOBS)
 

@@ -16,6 +16,10 @@ TFLOPS = "tflops"
 MFU = "mfu"
 PEAK_MEM_ALLOCATED_BYTES = "peak_mem_allocated_bytes"
 PEAK_MEM_RESERVED_BYTES = "peak_mem_reserved_bytes"
+# The caching allocator's view at the peak (CUDA/NPU; None on CPU, which has no such allocator):
+# bytes in live blocks, and reserved minus allocated (memory the pool holds but cannot hand out).
+PEAK_MEM_ACTIVE_BYTES = "peak_mem_active_bytes"
+MEM_FRAGMENTATION_BYTES = "mem_fragmentation_bytes"
 ESTIMATED_PEAK_MEM_BYTES = "estimated_peak_mem_bytes"
 LOSS = "loss"
 ERROR = "error"
@@ -30,6 +34,8 @@ RESULT_KEYS = (
     MFU,
     PEAK_MEM_ALLOCATED_BYTES,
     PEAK_MEM_RESERVED_BYTES,
+    PEAK_MEM_ACTIVE_BYTES,
+    MEM_FRAGMENTATION_BYTES,
     ESTIMATED_PEAK_MEM_BYTES,
     LOSS,
     ERROR,

@@ -15,7 +15,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner.baseline import baseline_config
+from tuner.baseline import baseline_config, fp32_reference
 from tuner.config import Config
 from tuner.devices import describe, resolve_family
 from tuner.executors.base import Executor
@@ -123,9 +123,9 @@ class Driver:
             self.study.set_user_attr(key, value)
         base = baseline_config(self.recipe, self.device, self.space)
         self.enqueue(base, keys.BASELINE)
-        if base.amp != "O0" and "O0" in (self.space.domains["amp"] or ()):
-            # The fp32 run every low-precision config's losses are checked against.
-            self.enqueue(Config(**{**base.to_dict(), "amp": "O0"}), keys.FP32_REFERENCE)
+        reference = fp32_reference(base, self.device, self.space)
+        if reference is not None:
+            self.enqueue(reference, keys.FP32_REFERENCE)
         fp_hash = fingerprint_hash(self.fp)
         for config in similar_study_configs(self.url, self.recipe, fp_hash, exclude=self.name):
             self.enqueue(config, keys.WARM_START)

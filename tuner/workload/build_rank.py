@@ -130,7 +130,7 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
     out = workdir / "profile"
     report = profile_steps(train, min(PROFILE_STEPS, _measured_steps(spec)), out, env.rank, spec.family)
     mine["breakdown"] = report["seconds_per_step"]
-    result = _result(train, spec, times, losses, None, None, report, [])
+    result = _result(train, spec, times, losses, {}, report, [])
     eager = result
     if compiled:
         mine["compile_s"] = max(0.0, first - statistics.median(times))
@@ -144,7 +144,7 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
         eager_spec = dataclasses.replace(spec, config={**spec.config, "compile": "none"})
         train = Training.from_spec(eager_spec, env)
         eager_times, eager_losses = measure(train, eager_spec, baseline)
-        eager = _result(train, eager_spec, eager_times, eager_losses, None, None, None, [])
+        eager = _result(train, eager_spec, eager_times, eager_losses, {}, None, [])
     ranks = _gather(mine, env.world_size)
     if env.rank != 0:
         return None

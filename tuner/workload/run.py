@@ -28,7 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tuner.devices import describe, is_oom, peak_memory, peak_tflops, reset_peak_memory, synchronize
+from tuner.devices import (
+    alloc_env,
+    describe,
+    is_oom,
+    memory_peak,
+    peak_memory,
+    peak_tflops,
+    reset_peak_memory,
+    synchronize,
+)
 from tuner.record.status import ERROR, OK, OOM
 from tuner.result import TrialResult, TrialSpec
 from tuner.workload.flops import flops_per_step
@@ -137,7 +146,19 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
         print(f"trial {spec.tag or '-'}: {env.world_size} ranks, {torch.get_num_threads()} threads/rank, "
               f"{train.n_microbatches} microbatches/step, {train.local_params():,} params on rank 0", flush=True)  # fmt: skip
     times, losses = measure(train, spec, baseline)
-    alloc, reserved = _max_over_ranks(list(peak_memory(spec.family, baseline)), env.world_size, train.device)
+    mem = memory_peak(spec.family, baseline)
+    # The worst rank's peak; -1 stands for "not reported" (CPU has no allocator view).
+    alloc, reserved, active, frag = _max_over_ranks(
+        [
+            mem.allocated,
+            mem.reserved,
+            -1 if mem.active is None else mem.active,
+            -1 if mem.fragmentation is None else mem.fragmentation,
+        ],
+        env.world_size,
+        train.device,
+    )
+    memory = {"allocated": alloc, "reserved": reserved, "active": active, "fragmentation": frag}
     report = None
     if spec.profile:
         out = Path(spec.workdir) / "profile"
@@ -153,10 +174,11 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
         return None
     if report is not None:
         write_breakdown(report, Path(spec.workdir) / "profile")
-    return _result(train, spec, times, losses, alloc, reserved, report, ranks)
+    return _result(train, spec, times, losses, memory, report, ranks)
 
 
-def _result(train: Training, spec: TrialSpec, times, losses, alloc, reserved, report, ranks) -> TrialResult:
+def _result(train: Training, spec: TrialSpec, times, losses, memory, report, ranks) -> TrialResult:
+    """Rank 0's TrialResult; `memory` is run_rank's worst-rank reading ({} when not measured)."""
     recipe, world = train.recipe, train.env.world_size
     median = statistics.median(times)
     dtype = matmul_dtype_name(train.config)
@@ -171,8 +193,11 @@ def _result(train: Training, spec: TrialSpec, times, losses, alloc, reserved, re
         samples_per_s=gbs / median,
         tflops=tflops,
         mfu=tflops / peak if peak else None,
-        peak_mem_allocated_bytes=alloc,
-        peak_mem_reserved_bytes=reserved,
+        peak_mem_allocated_bytes=memory.get("allocated"),
+        peak_mem_reserved_bytes=memory.get("reserved"),
+        # -1 stands for "not reported" (see run_rank)
+        peak_mem_active_bytes=None if memory.get("active", -1) < 0 else memory["active"],
+        mem_fragmentation_bytes=None if memory.get("fragmentation", -1) < 0 else memory["fragmentation"],
         estimated_peak_mem_bytes=spec.estimated_peak_mem_bytes,
         loss=losses[-1],
         losses=losses,
@@ -205,6 +230,8 @@ def error_record(exc: BaseException) -> dict[str, Any]:
 
 def main(spec: TrialSpec) -> int:
     """Run one rank of `spec`; the return value is the rank's exit code."""
+    # Before the device's allocator starts (the first CUDA/NPU call reads its settings).
+    os.environ.update(alloc_env(spec.family, spec.config.get("alloc_conf", "default")))
     # Before the model exists: CPU peak memory is growth of the resident set over this point.
     baseline = reset_peak_memory(spec.family)
     workdir = Path(spec.workdir)
