@@ -39,7 +39,7 @@ def table_observations(path: str) -> tuple[object, list[tuple[Observation, list[
     for r in rows:
         if r["status"] != "ok" or not r["tokens_per_s"]:
             continue
-        config = Config.from_params({k: r[k] for k in KNOBS})
+        config = Config.from_params({k: r[k] for k in KNOBS if r.get(k, "") != ""})
         runs = [float(v) for v in r["tokens_per_s_runs"].split(";") if v]
         obs = Observation(
             recipe=recipe,

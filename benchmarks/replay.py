@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_table import read_table  # noqa: E402
 
 from tuner.baseline import baseline_config  # noqa: E402
-from tuner.config import Config, infeasible_reasons  # noqa: E402
+from tuner.config import KNOBS, Config, infeasible_reasons  # noqa: E402
 from tuner.devices import describe  # noqa: E402
 from tuner.executors.base import Executor  # noqa: E402
 from tuner.recipe import recipe_from_dict  # noqa: E402
@@ -87,7 +87,8 @@ class Table:
                     r["status"] = "oom"
                     r["error"] = f"measured peak over the {memory_budget_gb} GiB budget"
         recipe = recipe_from_dict(doc)
-        by_key = {r["key"]: r for r in rows}
+        # Re-key by today's Config: a knob added since the table was measured takes its default.
+        by_key = {Config.from_params({k: r[k] for k in KNOBS if r.get(k, "") != ""}).key(): r for r in rows}
         ok = [float(r["tokens_per_s"]) for r in rows if r["status"] == "ok" and r["tokens_per_s"]]
         walls = [float(r["wall_s"]) for r in rows if r["wall_s"]]
         return cls(recipe, by_key, max(ok), min(walls), recipe.hardware.devices)
