@@ -9,11 +9,13 @@ find. The real-device check is the kill -9 test (slow) and the replay benchmark.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -263,6 +265,23 @@ def test_rest_plan_same_recipe_body_and_422_on_bad_input(tmp_path, priors):
         assert r.status_code == 422 and "devices" in r.text
 
 
+def _complete_and_running(path) -> bool:
+    """Read with sqlite3 itself: opening Optuna's storage would race the CLI creating its tables."""
+    if not path.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=1)) as db:
+            states = [s for (s,) in db.execute("SELECT state FROM trials")]
+            owned = db.execute(
+                "SELECT count(*) FROM trials t JOIN trial_system_attributes a ON a.trial_id = t.trial_id "
+                "WHERE t.state = 'RUNNING' AND a.key = ?",
+                (keys.OWNER,),
+            ).fetchone()[0]
+    except sqlite3.Error:  # not created yet, or locked for a moment
+        return False
+    return "COMPLETE" in states and owned > 0
+
+
 @pytest.mark.slow
 def test_a_model_sampler_study_resumes_after_kill_9(tmp_path):
     doc = tiny()
@@ -281,12 +300,7 @@ def test_a_model_sampler_study_resumes_after_kill_9(tmp_path):
         while True:  # kill once a trial is complete and the next one is on the device
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "the study never reached its second trial"
-            names = optuna.get_all_study_names(url) if (tmp_path / "t.db").exists() else []
-            trials = optuna.load_study(study_name=names[0], storage=url).trials if names else []
-            states = [t.state for t in trials]
-            if TrialState.COMPLETE in states and any(
-                t.state == TrialState.RUNNING and keys.OWNER in t.system_attrs for t in trials
-            ):
+            if _complete_and_running(tmp_path / "t.db"):
                 break
             time.sleep(0.5)
         proc.send_signal(signal.SIGKILL)
