@@ -9,6 +9,8 @@ from fastapi import Path
 from pydantic import BaseModel, Field
 
 from tuner.db import Job, JobState
+from tuner.record.studies import StudyListing
+from tuner.worker.wording import one_line, progress_line
 
 # Job ids are database integers (PostgreSQL INTEGER); a larger number is a 422, not a driver error.
 JobId = Annotated[int, Path(ge=1, le=2_147_483_647, description="The job's id.")]
@@ -37,12 +39,16 @@ class JobPublic(BaseModel):
     state: JobState
     recipe_hash: str
     study_name: str | None
-    trials_done: int
+    trials_done: int = Field(description="Trials of the job's budget done (at most trials_total).")
     trials_total: int
+    trials_reused: int = Field(
+        0, description="Measured trials found in the study when the job started (earlier runs)."
+    )
+    progress: str = Field(description="e.g. '6 of 6: reused from 12 measured earlier'.")
     best_tokens_per_s: float | None
     baseline_tokens_per_s: float | None = Field(description="Throughput of the default config.")
     speedup: float | None = Field(description="best_tokens_per_s / baseline_tokens_per_s.")
-    error: str | None
+    error: str | None = Field(description="One line: what failed and what to do next (the log: links.log).")
     cancel_requested: bool
     attempts: int
     created_at: dt.datetime
@@ -61,12 +67,14 @@ class JobPublic(BaseModel):
             state=job.state,
             recipe_hash=job.recipe_hash,
             study_name=job.study_name,
-            trials_done=job.trials_done,
+            trials_done=min(job.trials_done, job.trials_total) if job.trials_total else job.trials_done,
             trials_total=job.trials_total,
+            trials_reused=job.trials_reused or 0,
+            progress=progress_line(job.trials_done, job.trials_total, job.trials_reused),
             best_tokens_per_s=job.best_tokens_per_s,
             baseline_tokens_per_s=job.baseline_tokens_per_s,
             speedup=job.speedup,
-            error=job.error,
+            error=one_line(job.error),
             cancel_requested=job.cancel_requested,
             attempts=job.attempts,
             created_at=_utc(job.created_at),
@@ -81,6 +89,7 @@ class JobPublic(BaseModel):
                 "best": f"{base}/best",
                 "build": f"{base}/build",
                 "cancel": f"{base}/cancel",
+                **({"log": f"{base}/log"} if job.log else {}),  # the whole failure behind `error`
             },
         )
 
@@ -88,6 +97,42 @@ class JobPublic(BaseModel):
 class JobPage(BaseModel):
     items: list[JobPublic]
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null at the end.")
+
+
+class JobLog(BaseModel):
+    job_id: int
+    state: JobState
+    error: str | None = Field(description="The one-line error the job's views show.")
+    log: str = Field(description="The whole failure as the worker saw it (a traceback, a build log).")
+
+
+class StudyPublic(BaseModel):
+    name: str
+    recipe_name: str
+    recipe_hash: str | None
+    source: str = Field(description="job (a REST job ran it), nightly, or cli (`tuner tune`).")
+    trials: int
+    finished: int
+    best_tokens_per_s: float | None = Field(description="The winner's median, as every view shows it.")
+    last_change: dt.datetime | None
+    job_ids: list[int] = Field(description="Jobs that ran this study, newest first.")
+    fingerprint: dict[str, Any]
+    links: dict[str, str]
+
+    @classmethod
+    def from_listing(cls, s: StudyListing, best: float | None) -> StudyPublic:
+        links = {"page": f"/ui/studies/{s.name}", "build": f"/v1/studies/{s.name}/build"}
+        if s.job_ids:
+            links.update(job=f"/v1/jobs/{s.job_ids[0]}", page=f"/ui/jobs/{s.job_ids[0]}")
+        return cls(
+            name=s.name, recipe_name=s.recipe_name, recipe_hash=s.recipe_hash, source=s.source,
+            trials=s.trials, finished=s.finished, best_tokens_per_s=best, last_change=_utc(s.last_change),
+            job_ids=s.job_ids, fingerprint=s.fingerprint, links=links,
+        )  # fmt: skip
+
+
+class StudyPage(BaseModel):
+    items: list[StudyPublic]
 
 
 class TrialPublic(BaseModel):

@@ -5,6 +5,8 @@ the study changes): a page of its trials, sorted and filtered in memory, and its
 from __future__ import annotations
 
 import datetime as dt
+from functools import lru_cache
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -51,33 +53,76 @@ def read_trials(
     offset: int = 0,
     status: str | None = None,
     sort: str = "number",
-) -> tuple[list[TrialPublic], int]:
-    """One page of a study's trials and the total matching the filter."""
+) -> tuple[list[dict[str, Any]], int]:
+    """One page of a study's trials (each `TrialPublic` in its JSON form) and the total matching
+    the filter."""
     study = read_study(session, study_name)
     if study is None:
         return [], 0
     ordered = _ordered(study, status, sort)
-    return [_public(t) for t in ordered[offset : offset + limit]], len(ordered)
+    public = study.cached("v1-public", dict)  # trial number -> its JSON form, for this version
+    page = []
+    for t in ordered[offset : offset + limit]:
+        item = public.get(t.number)
+        if item is None:
+            # Built once per trial and study version: validating and dumping the model for every
+            # row of every page was most of a page's time with 10,000 trials.
+            item = public[t.number] = public_item(t)
+        page.append(item)
+    return page, len(ordered)
 
 
 def _public(t: TrialRecord) -> TrialPublic:
+    return TrialPublic(**public_item(t))
+
+
+def public_item(t: TrialRecord) -> dict[str, Any]:
+    """A trial as `TrialPublic`'s JSON, built by hand: pydantic's validate-then-dump of each row was
+    most of a page's time (tests/test_api.py checks the two agree)."""
     stored = t.attrs.get(keys.CONFIG)
-    config = t.config()
-    return TrialPublic(
-        number=t.number,
-        state=t.state,
-        status=t.status,
-        tokens_per_s=_value(t) if _value(t) is not None else t.attrs.get(keys.TOKENS_PER_S),
-        config=stored if isinstance(stored, dict) else (config.to_dict() if config else t.params),
-        result={k: t.attrs[k] for k in keys.RESULT_KEYS if k in t.attrs},
-        started_at=_utc(t.started_at),
-        finished_at=_utc(t.finished_at),
-        duration_s=t.duration_s,
-    )
+    value = _value(t)
+    return {
+        "number": t.number,
+        "state": t.state,
+        "status": t.status,
+        "tokens_per_s": value if value is not None else t.attrs.get(keys.TOKENS_PER_S),
+        "config": stored if isinstance(stored, dict) else _config(t.params),
+        "result": {k: t.attrs[k] for k in keys.RESULT_KEYS if k in t.attrs},
+        "started_at": _iso(t.started_at),
+        "finished_at": _iso(t.finished_at),
+        "duration_s": t.duration_s,
+    }
 
 
-def _utc(value: dt.datetime | None) -> dt.datetime | None:
-    return value.replace(tzinfo=dt.timezone.utc) if value is not None and value.tzinfo is None else value
+def _config(params: dict[str, Any]) -> dict[str, Any]:
+    try:
+        key = tuple(sorted(params.items()))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is None:
+        return _config_of(params)
+    return _cached_config(key)
+
+
+@lru_cache(maxsize=20_000)
+def _cached_config(key: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    # Many trials share a config (duplicates, re-queued ones); callers copy nothing: read only.
+    return _config_of(dict(key))
+
+
+def _config_of(params: dict[str, Any]) -> dict[str, Any]:
+    config = TrialRecord(0, "complete", "ok", [], params, {}, None, None).config()
+    return config.to_dict() if config else params
+
+
+def _iso(value: dt.datetime | None) -> str | None:
+    """Pydantic's JSON form of a UTC datetime (`Z`); naive database times are UTC."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=dt.timezone.utc)
+    return value.isoformat().replace("+00:00", "Z")
 
 
 def winner(session: Session, job: Job, *, with_study: bool = False) -> tuple[Verdict, StudyRecord | None]:

@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from api.auth import create_token
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the seeder lives with the tests
+
+    sys.path.insert(
+        0, str(Path(__file__).resolve().parent.parent / "tests")
+    )  # the seeder lives with the tests
     from seed import seed_job
 
     from tuner.db import session_scope

@@ -86,7 +86,7 @@ class Load:
     scenario: str
     table_s: float  # the first table page rendered
     interactive_s: float  # table and the history, importance, Pareto and memory plots drawn
-    all_plots_s: float  # plus parallel coordinates (software WebGL without a GPU)
+    all_plots_s: float  # plus parallel coordinates (SVG, drawn last)
     server_cpu_s: float
 
 
@@ -246,7 +246,7 @@ def main() -> None:
         verdict = "meets" if server_bound < args.target_s else "misses"
         print(f"{verdict} it once the browser has run Plotly before (worst {server_bound:.2f} s)")
     print("'interactive': table and history, importance, Pareto and memory plots drawn; 'all plots' adds")
-    print("parallel coordinates, a WebGL trace that Chromium without a GPU renders in software.")
+    print("parallel coordinates (drawn last).")
 
 
 if __name__ == "__main__":

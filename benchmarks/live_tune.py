@@ -90,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         for t in ran
         if t.user_attrs.get("estimated_peak_mem_bytes") and t.user_attrs.get("peak_mem_allocated_bytes")
     ]
+    by_split: dict[str, list[float]] = {}
+    for t in ran:
+        est, got = t.user_attrs.get("estimated_peak_mem_bytes"), t.user_attrs.get("peak_mem_allocated_bytes")
+        if est and got:
+            p = t.params
+            label = f"{p.get('parallel')}{'-' + p['dp_shard'] if 'dp_shard' in p else ''}"
+            label += "-sp" if p.get("sequence_parallel") else ""
+            by_split.setdefault(label, []).append(100 * (est - got) / got)
     out = {
         "recipe": recipe.name,
         "executor": args.executor,
@@ -109,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         if est_err
         else None,
         "estimator_error_pct_worst": round(max(est_err, key=abs), 1) if est_err else None,
+        "estimator_error_pct_by_split": {
+            k: {"n": len(v), "median_abs": round(statistics.median(abs(e) for e in v), 1),
+                "worst": round(max(v, key=abs), 1)}
+            for k, v in sorted(by_split.items())
+        },  # fmt: skip
         "best_config": summary.best.config if summary.best else None,
     }
     if args.json:

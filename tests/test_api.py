@@ -25,6 +25,14 @@ search: {trials: 3, timeout_min: 5}
 measure: {warmup_steps: 1, steps: 2}
 """
 
+# kv_heads must divide heads, and (at search time) split whole over every tp the space allows.
+LLAMA = """\
+name: llama-tiny
+model: {family: llama, layers: 2, hidden: 64, heads: 4, kv_heads: 2, seq_len: 32, vocab: 256, rope_theta: 500000.0}
+hardware: {device: cpu, devices: 2}
+search: {trials: 3, timeout_min: 5, overrides: {tp: [2]}}
+"""
+
 
 @pytest.fixture
 def url(tmp_path):
@@ -114,6 +122,9 @@ def test_a_recipe_naming_python_code_is_refused(client, auth, text, field):
         (TINY.replace("trials: 3", "trials: 500"), "search.trials", "at most 50 trials"),
         (TINY.replace("timeout_min: 5", "timeout_min: 999"), "search.timeout_min", "TUNER_MAX_TIMEOUT_MIN"),
         ("name: [unclosed\n", "", "not valid YAML"),
+        (LLAMA.replace("kv_heads: 2", "kv_heads: 3"), "model.kv_heads", "must divide heads"),
+        (LLAMA.replace("rope_theta: 500000.0", "rope_theta: -1"), "model.rope_theta", "greater than 0"),
+        (LLAMA.replace("kv_heads: 2", "kv_heads: 1"), "model.kv_heads", "not divisible by tp (2)"),
     ],
 )
 def test_bad_recipes_get_422_naming_the_field(client, auth, text, field, says):
@@ -272,6 +283,10 @@ def test_trials_page_fast_over_ten_thousand_trials(client, auth, url):
     assert first["config"]["micro_batch_size"] == 2 and first["status"] == "ok" and first["duration_s"] == 1.0
     nxt = client.get(f"{base}?limit=50&cursor={page['next_cursor']}", headers=auth).json()
     assert nxt["items"][0]["number"] == 50
+    # Items are built by hand for speed: exactly what the TrialPublic model would send.
+    from api.schemas import TrialPublic
+
+    assert all(TrialPublic(**t).model_dump(mode="json") == t for t in page["items"] + nxt["items"])
 
     fastest = client.get(f"{base}?limit=3&sort=-tokens_per_s", headers=auth).json()["items"]
     assert [t["number"] for t in fastest] == [9998, 9997, 9996]

@@ -316,6 +316,7 @@ def test_overview_has_best_speedup_failures_and_build(client, db, tmp_path):
     assert after["best"]["number"] == built.number
     assert after["build"] == {
         "ready": True,
+        "url": f"/v1/jobs/{db['large']}/build",
         "sha256": digest,
         "size_bytes": archive.stat().st_size,
         "trial_number": built.number,
@@ -361,16 +362,22 @@ def test_recipe_history_marks_regressions_and_what_changed(client, db):
     assert data["nights"][2]["changes"] == []
 
 
+PLOTLY_SHA256 = "99784e3abfb07b142a15e521a439e6d9addceadb3f79553fd24c72774f0649ba"
+
+
 def test_pages_and_assets_are_served_from_the_package_with_no_network(client):
-    for page in ("/ui/jobs", "/ui/jobs/1", "/ui/compare", "/ui/recipes/gpt-tiny"):
+    for page in ("/ui/jobs", "/ui/jobs/1", "/ui/studies/gpt-tiny-1-2", "/ui/compare", "/ui/recipes/gpt-tiny"):
         resp = client.get(page)
         assert resp.status_code == 200 and "text/html" in resp.headers["content-type"]
+    # The vendored partial bundle, pinned: npm's plotly.js-basic-dist-min 4.1.1, with its licence.
     plotly_js = client.get("/ui/static/plotly.min.js")
-    assert plotly_js.status_code == 200 and len(plotly_js.content) > 1_000_000
+    assert plotly_js.status_code == 200 and hashlib.sha256(plotly_js.content).hexdigest() == PLOTLY_SHA256
+    assert plotly_js.content.startswith(b"/**\n* plotly.js (basic - minified) v4.1.1")
+    assert "MIT License" in client.get("/ui/static/plotly.LICENSE").text
     assert client.get("/ui/static/job.js").status_code == 200
     assert client.get("/ui/static/..%2Fstore.py").status_code == 404
     # Offline: nothing the browser loads points outside this server.
-    for f in [*DASHBOARD.glob("static/*"), *DASHBOARD.glob("templates/*")]:
+    for f in [*DASHBOARD.glob("static/*.*"), *DASHBOARD.glob("templates/*")]:
         assert not re.search(r"(src|href)=\"?(https?:)?//", f.read_text()), f
 
 
@@ -527,3 +534,33 @@ def test_the_server_keeps_a_bounded_number_of_studies_in_memory(db, monkeypatch)
         read_study(s, names[0])
         held = {name for _, name in store._cache}
     assert names[2] not in held and {names[0], names[1]} <= held
+
+
+def test_the_cached_study_sees_a_running_trial_finish_and_a_new_trial_appear(tmp_path):
+    """The freshness check reads only the highest trial id and the trials held unfinished."""
+    from seed import seed_study
+    from sqlalchemy import update
+
+    from tuner import optuna_tables as tables
+    from tuner.db import session_scope
+    from tuner.record.reader import read_study
+
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    seed_study(url, "live", 30, seed=1, running=2)
+    with session_scope(url) as s:
+        first = read_study(s, "live")
+        assert read_study(s, "live") is first  # unchanged: the cached record
+        running = [t for t in first.trials if t.state == "running"]
+        assert len(running) == 2
+    with session_scope(url) as s:
+        s.execute(update(tables.trials).where(tables.trials.c.trial_id == running[0].trial_id)
+                  .values(state="FAIL", datetime_complete=dt.datetime.now()))  # fmt: skip
+    with session_scope(url) as s:
+        second = read_study(s, "live")
+        assert second is not first
+        assert second.find(running[0].number).state == "fail"
+        assert read_study(s, "live") is second
+    seed_study(url, "live", 3, seed=2)
+    with session_scope(url) as s:
+        third = read_study(s, "live")
+        assert len(third.trials) == 35 and third is not second

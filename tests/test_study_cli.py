@@ -72,5 +72,10 @@ def test_show_reports_best_speedup_top_k_and_cost(tmp_path, monkeypatch):
     table = runner.invoke(app, ["show", str(path), "--storage", url, "--top", "2"])
     assert table.exit_code == 0
     text = " ".join(table.output.split())
-    assert "best config" in text and "speedup over the baseline" in text and "search cost" in text and "of device time" in text
+    assert (
+        "best config" in text
+        and "speedup over the baseline" in text
+        and "search cost" in text
+        and "of device time" in text
+    )
     assert "top 2 configs" in text

@@ -18,7 +18,7 @@ from test_db import fresh_pg_database
 
 from tuner.db import Job, JobEvent, session_scope, utcnow
 from tuner.migrations import upgrade
-from tuner.recipe import parse_recipe
+from tuner.recipe import parse_recipe, recipe_from_dict
 from tuner.record.ranking import Ranked
 from tuner.summary import StudySummary
 from tuner.worker import JobRun, Worker, WorkerSettings, claim_job, recover_jobs
@@ -54,7 +54,15 @@ RECIPE = parse_recipe(
 def _queue(url: str, n: int = 1, **fields) -> list[int]:
     with session_scope(url) as s:
         jobs = [
-            Job(recipe_name="w", recipe=RECIPE.to_dict(), recipe_hash=RECIPE.hash(), trials_total=4, **fields)
+            Job(
+                **{
+                    "recipe_name": "w",
+                    "recipe": RECIPE.to_dict(),
+                    "recipe_hash": RECIPE.hash(),
+                    "trials_total": 4,
+                    **fields,
+                }
+            )
             for _ in range(n)
         ]
         s.add_all(jobs)
@@ -273,3 +281,63 @@ def test_settings_from_env_apply_the_service_limits(monkeypatch):
     monkeypatch.setenv("TUNER_REMEASURE_TOP", "0")
     s = WorkerSettings.from_settings(Settings.from_env(), executor=None)
     assert (s.max_trials, s.remeasure_top, s.executor) == (7, 0, "local")
+
+
+def test_a_failed_build_is_one_line_with_the_whole_log_behind_it(sqlite_url, monkeypatch):
+    monkeypatch.setattr("tuner.study.run_study", _study(None))
+
+    def broken_build(*_a, **_kw):
+        try:
+            raise OSError("g++: fatal error: no input files")
+        except OSError as err:
+            raise RuntimeError(
+                f"C++ compile failed:\nTraceback (most recent call last):\n  ...\n{err}"
+            ) from err
+
+    monkeypatch.setattr("tuner.build.build_trial", broken_build)
+    job_id = _queue(sqlite_url)[0]
+    _worker(sqlite_url).run_once()
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        assert job.state == "succeeded"  # the best config stands
+        assert "\n" not in job.error and "Traceback" not in job.error
+        assert job.error.startswith("build failed: RuntimeError: C++ compile failed:")
+        assert "the job's log" in job.error
+        assert "Traceback (most recent call last)" in job.log and "g++: fatal error" in job.log
+
+
+def test_a_job_counts_the_trials_it_found_and_reuse_false_gets_a_study_of_its_own(sqlite_url, monkeypatch):
+    from api.schemas import JobPublic
+
+    names = []
+
+    def reusing_study(recipe, *, progress, trials, study_name, **_kw):
+        names.append(study_name)
+        # The study already held 12 measured trials (a CLI run): the driver starts nothing.
+        progress({"event": "done", "done": 12, "total": trials, "summary": {}})
+        return _summary(150.0)
+
+    monkeypatch.setattr("tuner.study.run_study", reusing_study)
+    monkeypatch.setattr(JobRun, "_build", lambda *_a: BuildOutcome(error="no build in this test"))
+    doc = RECIPE.to_dict()
+    six = recipe_from_dict({**doc, "search": {**doc["search"], "trials": 6}})  # a 6-trial REST job
+    reused = _queue(sqlite_url, recipe=six.to_dict())[0]
+    _worker(sqlite_url).run_once()
+    with session_scope(sqlite_url) as s:
+        job = JobPublic.from_row(s.get(Job, reused))
+    assert (job.trials_done, job.trials_total, job.trials_reused) == (6, 6, 12)
+    assert job.progress == "6 of 6: reused from 12 measured earlier"
+
+    fresh_recipe = recipe_from_dict({**doc, "search": {**doc["search"], "reuse": False}})
+    assert fresh_recipe.hash() == RECIPE.hash()  # same measurement, asked to measure afresh
+    with session_scope(sqlite_url) as s:
+        job = Job(
+            recipe_name="w", recipe=fresh_recipe.to_dict(), recipe_hash=fresh_recipe.hash(), trials_total=4
+        )
+        s.add(job)
+        s.flush()
+        fresh = job.id
+    _worker(sqlite_url).run_once()
+    assert names[1] == f"{names[0]}-job{fresh}"
+    with session_scope(sqlite_url) as s:
+        assert s.get(Job, fresh).study_name == names[1]

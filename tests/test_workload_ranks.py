@@ -58,6 +58,8 @@ def launch_ranks(
     env: dict[str, str] | None = None,
     layers: int = 2,
     cache_dir: Path | None = None,
+    model: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
     **spec_fields: Any,
 ) -> Run:
     """Start `world` ranks the way an executor does (torchrun's variables), wait for them, and,
@@ -65,8 +67,8 @@ def launch_ranks(
     recipe = recipe_from_dict(
         {
             "name": "tiny",
-            "model": TINY | {"layers": layers},
-            "train": {"global_batch_size": 8},
+            "model": model or TINY | {"layers": layers},
+            "train": train or {"global_batch_size": 8},
             "measure": {"warmup_steps": 1, "steps": 3},
         }
     )
@@ -198,8 +200,9 @@ def test_tp_halves_each_ranks_attention_and_mlp(launch, single):
     assert run.result["losses"] == pytest.approx(single["losses"], rel=1e-3)
     assert {(r["param_dtype"], r["master_dtype"]) for r in run.ranks()} == {("bfloat16", "float32")}
     matmul_params = 2 * (4 * 64 * 64 + 2 * 64 * 256)  # qkv, out, up, down of 2 blocks
-    replicated = single["extra"]["ranks"][0]["params"] - matmul_params
-    assert [r["params"] for r in run.ranks()] == [replicated + matmul_params // 2] * 2
+    vocab_params = 2 * 256 * 64  # token embedding and LM head, split over the vocabulary
+    replicated = single["extra"]["ranks"][0]["params"] - matmul_params - vocab_params
+    assert [r["params"] for r in run.ranks()] == [replicated + (matmul_params + vocab_params) // 2] * 2
 
 
 def test_pp_puts_half_the_layers_on_each_rank(launch, single):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Knob:
     name: str
-    kind: type  # int, bool or str
+    kind: type  # int, float, bool or str
     choices: tuple[Any, ...] | None  # None: any positive int (validated by `check`)
     doc: str
     applies: str | None = None  # human description of when the knob is sampled
@@ -52,6 +53,13 @@ class Knob:
             minimum = 0 if self.name == "loader_workers" else 1
             if value < minimum:
                 raise ConfigError(f"{self.name}: must be an integer >= {minimum}, got {value}")
+        elif self.kind is float:
+            if isinstance(raw, bool):
+                raise ConfigError(f"{self.name}: {raw!r} is not a number")
+            try:
+                value = float(raw)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{self.name}: {raw!r} is not a number") from None
         else:
             value = str(raw)
         if self.choices is not None and value not in self.choices:
@@ -72,6 +80,20 @@ KNOBS: dict[str, Knob] = {
         Knob("pp_schedule", str, ("1f1b", "gpipe"), "Pipeline schedule.", "pp > 1"),
         Knob("dp_shard", str, ("ddp", "fsdp"), "DDP or FSDP2 (fully_shard) on dp.", "dp > 1"),
         Knob("recompute", str, ("none", "selective", "full"), "Activation checkpointing."),
+        Knob(
+            "recompute_layers",
+            float,
+            (0.25, 0.5, 0.75, 1.0),
+            "Fraction of each stage's blocks recomputed, the first ones (Megatron's recompute_num_layers).",
+            "recompute != none",
+        ),
+        Knob(
+            "sequence_parallel",
+            bool,
+            (False, True),
+            "Shard norms over the sequence between tp regions (DTensor SequenceParallel).",
+            "tp > 1",
+        ),
         Knob("offload", bool, (False, True), "Save activations on host (save_on_cpu)."),
         Knob("attention", str, ("math", "flash", "efficient", "cudnn", "npu_fusion"), "SDPA kernel."),
         Knob("bucket_mb", int, None, "DDP bucket_cap_mb (gradient all-reduce fusion).", "ddp, dp > 1"),
@@ -116,6 +138,8 @@ class Config:
     pp_schedule: str = "1f1b"
     dp_shard: str = "ddp"
     recompute: str = "none"
+    recompute_layers: float = 1.0
+    sequence_parallel: bool = False
     offload: bool = False
     attention: str = "math"
     bucket_mb: int = 25
@@ -164,6 +188,10 @@ class Config:
             d["grad_compression"] = default.grad_compression
         if self.amp == "O0":
             d["amp_dtype"] = default.amp_dtype
+        if self.recompute == "none":
+            d["recompute_layers"] = default.recompute_layers
+        if self.tp == 1:
+            d["sequence_parallel"] = default.sequence_parallel
         return Config(**d)
 
     def key(self) -> str:
@@ -181,12 +209,21 @@ class Config:
             d.pop("grad_compression")
         if self.amp == "O0":
             d.pop("amp_dtype")
+        if self.recompute == "none":
+            d.pop("recompute_layers")
+        if self.tp == 1:
+            d.pop("sequence_parallel")
         return d
 
 
 def microbatches(config: Config, recipe: Recipe) -> int:
     """Gradient-accumulation steps (or pipeline microbatches) per optimizer step, per dp rank."""
     return recipe.train.global_batch_size // (config.micro_batch_size * config.dp)
+
+
+def recomputed_layers(n_layers: int, fraction: float) -> int:
+    """How many of a stage's `n_layers` blocks `recompute_layers=fraction` recomputes (at least one)."""
+    return max(1, min(n_layers, math.ceil(fraction * n_layers - 1e-9)))
 
 
 def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
@@ -199,9 +236,37 @@ def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> li
     ]
 
 
+def shape_reasons(config: Config, recipe: Recipe) -> list[tuple[str, str]]:
+    """(recipe field, reason) for every way the split does not fit the model's shapes."""
+    m = recipe.model
+    r: list[tuple[str, str]] = []
+    if m.heads % config.tp:
+        r.append(("model.heads", f"heads ({m.heads}) not divisible by tp ({config.tp})"))
+    if m.kv_heads_count % config.tp:
+        # Key/value heads are split whole over tp ranks, never shared or cut.
+        r.append(("model.kv_heads", f"kv_heads ({m.kv_heads_count}) not divisible by tp ({config.tp})"))
+    if m.ffn_size % config.tp:
+        r.append(("model.ffn", f"ffn size ({m.ffn_size}) not divisible by tp ({config.tp})"))
+    if m.vocab % config.tp:
+        r.append(("model.vocab", f"vocab ({m.vocab}) not divisible by tp ({config.tp})"))
+    if m.layers % config.pp:
+        r.append(("model.layers", f"layers ({m.layers}) not divisible by pp ({config.pp})"))
+    if m.tie_embeddings and config.pp > 1:
+        r.append(
+            (
+                "model.tie_embeddings",
+                "tie_embeddings shares one weight between the first and last stage; use pp = 1",
+            )
+        )
+    if config.sequence_parallel and config.tp > 1 and m.seq_len % config.tp:
+        r.append(
+            ("model.seq_len", f"sequence_parallel: seq_len ({m.seq_len}) not divisible by tp ({config.tp})")
+        )
+    return r
+
+
 def _split_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
     """The parallel split against the devices, the model's shapes and the batch."""
-    m = recipe.model
     r: list[str] = []
     want = recipe.hardware.devices
     if config.world_size != want:
@@ -211,14 +276,7 @@ def _split_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[s
         )
     if want > device.count:
         r.append(f"hardware.devices is {want} but this machine has {device.count} {device.family} devices")
-    if m.heads % config.tp:
-        r.append(f"heads ({m.heads}) not divisible by tp ({config.tp})")
-    if m.ffn_size % config.tp:
-        r.append(f"ffn size ({m.ffn_size}) not divisible by tp ({config.tp})")
-    if m.vocab % config.tp:
-        r.append(f"vocab ({m.vocab}) not divisible by tp ({config.tp})")
-    if m.layers % config.pp:
-        r.append(f"layers ({m.layers}) not divisible by pp ({config.pp})")
+    r += [message for _, message in shape_reasons(config, recipe)]
     per_step = config.micro_batch_size * config.dp
     gbs = recipe.train.global_batch_size
     if gbs % per_step:

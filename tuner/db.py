@@ -63,7 +63,10 @@ class Job(Base):
     best_tokens_per_s: Mapped[float | None] = mapped_column(Float)
     baseline_tokens_per_s: Mapped[float | None] = mapped_column(Float)
     speedup: Mapped[float | None] = mapped_column(Float)
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)  # one line: what failed and what to do next
+    log: Mapped[str | None] = mapped_column(Text)  # the failure's full log (GET /v1/jobs/ID/log)
+    # Measured trials the job found in its study when it started (same recipe and fingerprint).
+    trials_reused: Mapped[int | None] = mapped_column(Integer)
     # The study summary the job ended with, so reading a finished job's best never re-reads its trials.
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     worker_id: Mapped[str | None] = mapped_column(String(200))

@@ -11,24 +11,25 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from tuner.config import Config, microbatches
+from tuner.config import Config, microbatches, recomputed_layers
 from tuner.devices import DeviceInfo
+from tuner.models import family_of
 from tuner.recipe import Recipe
-from tuner.workload.flops import block_params, flops_per_step
+from tuner.workload.flops import flops_per_step
 
 GiB = 2**30
 MiB = 2**20
 
 # What the formulas cannot see, per family: measured peak minus the analytic terms.
-# cpu: 62 MiB, the median of (measured - analytic) over 14 real trials on this project's CI
-# machine (torch 2.13 CPU, 2 cores): 2-8 layers, hidden 128-512, seq 256, 1-2 gloo ranks, mbs 1-8,
-# recompute none/selective/full, amp O0/O1/O2, math/flash, dp (ddp and fsdp)/tp/pp=2. The 14 differences ranged
-# 43-77 MiB and did not grow with the model: it is libtorch/oneDNN code and gloo buffers paged in
-# on first use, which the workload counts because it measures RSS growth from before the model is
-# built. tests/test_estimate.py re-measures three configs and prints the errors (`pytest -s`).
+# cpu: 30 MiB. It was 62 MiB (the median of measured - analytic over 14 real trials, 43-77 MiB,
+# not growing with the model: libtorch/oneDNN code and gloo buffers paged in on first use, which
+# the workload counts because it measures RSS growth from before the model is built). Since the
+# model is built on the meta device the rank imports the dynamo stack with its code, before the
+# baseline, and about 32 MiB of that first-use paging moved out of the measured peak.
+# tests/test_estimate.py re-measures three configs and prints the errors (`pytest -s`).
 # cuda/npu: not calibrated on hardware yet; cuBLAS/cuDNN (or CANN) workspaces and the caching
 # allocator's rounding are typically tens of MiB, so a conservative 256 MiB is assumed.
-FAMILY_OVERHEAD_BYTES = {"cpu": 62 * MiB, "cuda": 256 * MiB, "npu": 256 * MiB}
+FAMILY_OVERHEAD_BYTES = {"cpu": 30 * MiB, "cuda": 256 * MiB, "npu": 256 * MiB}
 
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # fp32 tensors per parameter
 
@@ -86,12 +87,13 @@ def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
     stages = [_stage(recipe, config, device, s) for s in range(config.pp)]
     worst = max(stages, key=lambda e: e.peak_mem_bytes)
     model_flops = flops_per_step(recipe)
-    # Recompute repeats forward work (1/3 of forward+backward): all of a block, or its attention.
+    # Recompute repeats forward work (1/3 of forward+backward): all of a block, or its attention,
+    # in the recomputed share of the blocks.
     m = recipe.model
-    attention_share = (4 * m.hidden**2 + 2 * m.hidden * m.seq_len) / (
-        4 * m.hidden**2 + 2 * m.hidden * m.ffn_size + 2 * m.hidden * m.seq_len
-    )
+    attention_share = family_of(m).attention_flops_share(m)
     repeat = {"none": 0.0, "full": 1 / 3, "selective": attention_share / 3}[config.recompute]
+    per_stage = m.layers // config.pp
+    repeat *= recomputed_layers(per_stage, config.recompute_layers) / per_stage
     return replace(worst, flops_per_step=model_flops, hardware_flops_per_step=model_flops * (1 + repeat))
 
 
@@ -115,22 +117,29 @@ def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Es
     )
 
 
+def _stage_params(recipe: Recipe, config: Config, stage: int) -> tuple[int, int]:
+    """(parameters of one rank of `stage`, those outside the blocks). Under tp the blocks' Linear
+    weights and the vocabulary-sized embedding and output are split; norms (and gpt's position
+    embedding) are whole on every rank."""
+    m, c = recipe.model, config
+    family = family_of(m)
+    first, last = stage == 0, stage == c.pp - 1
+    matmul = family.block_matmul_params(m)
+    block = matmul // c.tp + (family.block_params(m) - matmul)
+    root = (family.embedding_params(m) if first else 0) + (family.head_params(m) if last else 0)
+    vocab = family.vocab_params(m, first, last)
+    root = root - vocab + vocab // c.tp
+    return (m.layers // c.pp) * block + root, root
+
+
 def _state_bytes(recipe: Recipe, config: Config, stage: int) -> tuple[int, int, int, int]:
     """(parameters, gradients, optimizer state, communication buffers) of one rank of `stage`."""
     m, c = recipe.model, config
-    first, last = stage == 0, stage == c.pp - 1
     fsdp = c.dp > 1 and c.dp_shard == "fsdp"
-    # tp splits the block matmuls only: embeddings and head are whole
-    h, f = m.hidden, m.ffn_size
-    block_matmul = 4 * h * h + 2 * h * f
-    block = block_matmul // c.tp + (block_params(m) - block_matmul)
-    n_params = (m.layers // c.pp) * block
-    root = 0  # parameters outside the blocks (what FSDP keeps gathered through the whole step)
-    if first:
-        root += m.vocab * h + m.seq_len * h
-    if last:
-        root += 2 * h + h * m.vocab
-    n_params += root
+    n_params, root = _stage_params(recipe, c, stage)
+    family = family_of(m)
+    matmul = family.block_matmul_params(m)
+    block = matmul // c.tp + (family.block_params(m) - matmul)  # what FSDP gathers at a time
     shard = c.dp if fsdp else 1
     p_bytes = 2 if (c.amp == "O2" and not fsdp) else 4  # O2 casts the model; FSDP keeps fp32 shards
     params = n_params * p_bytes // shard
@@ -149,10 +158,11 @@ def _state_bytes(recipe: Recipe, config: Config, stage: int) -> tuple[int, int, 
     return params, grads, states, comm
 
 
-def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> tuple[int, int]:
-    """(tensors saved for backward with every microbatch in flight, fp32 logits at the loss)."""
+def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str, int]:
+    """Bytes one block saves for backward, per recompute mode, by family. Measured against
+    autograd's saved tensors (tests/test_estimate.py) on torch 2.13: RMSNorm keeps fp32 copies
+    of its input and normalised input whatever the dtype; LayerNorm keeps its input."""
     m, c = recipe.model, config
-    last = stage == c.pp - 1
     low = c.amp != "O0"
     h, f = m.hidden, m.ffn_size
     b, s = c.micro_batch_size, m.seq_len
@@ -160,33 +170,51 @@ def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage:
     comp = 2 if low else 4  # matmul inputs are cast (O1) or already low precision (O2)
     resid = 2 if c.amp == "O2" else 4  # the residual stream stays fp32 under autocast
     bsh = b * s * h
-    full_layer = (
-        2 * bsh * resid  # LayerNorm inputs
-        + 2 * bsh * comp  # LayerNorm outputs saved by qkv and MLP-up
-        + 5 * bsh // c.tp * comp  # q (scaled copy too), k, v, attention output
-        + 2 * b * s * f // c.tp * comp  # GELU input, MLP-down input
-        + _attention_matrix(c.attention, b, heads, s, comp, device.family, bsh // c.tp)
-    )
-    saved_layer = {
-        "none": full_layer,
-        "full": bsh * resid,  # only the block input
-        "selective": 2 * bsh * resid + bsh * 4 + bsh * comp + 2 * b * s * f // c.tp * comp,
-    }[c.recompute]
-    if c.offload:
-        saved_layer = 0  # saved tensors live in host memory
+    # Sequence parallelism shards the norms and the residual stream over tp; the gathered inputs
+    # of the column-parallel matmuls stay whole.
+    seq = c.tp if (c.sequence_parallel and c.tp > 1) else 1
+    attn = _attention_matrix(c.attention, b, heads, s, comp, device.family, bsh // c.tp)
+    if m.family == "llama":
+        norms = 2 * 2 * bsh * 4 // seq  # input and normalised input, fp32, of both RMSNorms
+        ffn = 4 * b * s * f // c.tp * comp  # w1 and w3 outputs, silu output, w2 input
+        if c.attention == "math":
+            attn //= 2 if comp == 4 else 1
+        full = norms + 2 * bsh * comp + 5 * bsh // c.tp * comp + ffn + attn
+        selective = norms + 2 * bsh * comp + ffn
+    else:
+        norms = 2 * bsh * resid // seq  # LayerNorm inputs
+        ffn = 2 * b * s * f // c.tp * comp  # GELU input, MLP-down input
+        full = norms + 2 * bsh * comp + 5 * bsh // c.tp * comp + ffn + attn
+        selective = norms + bsh * 4 + bsh * comp + ffn
+    return {"none": full, "full": bsh * resid // seq, "selective": selective}
+
+
+def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> tuple[int, int]:
+    """(tensors saved for backward with every microbatch in flight, fp32 logits at the loss)."""
+    m, c = recipe.model, config
+    family = family_of(m)
+    last = stage == c.pp - 1
+    b, s, h = c.micro_batch_size, m.seq_len, m.hidden
+    resid = 2 if c.amp == "O2" else 4
+    per_layer = _layer_bytes(recipe, c, device)
     layers = m.layers // c.pp
+    k = recomputed_layers(layers, c.recompute_layers) if c.recompute != "none" else 0
+    saved = k * per_layer[c.recompute] + (layers - k) * per_layer["none"]
+    if c.offload:
+        saved = 0  # saved tensors live in host memory
     n_micro = microbatches(c, recipe)
     in_flight = 1 if c.pp == 1 else (n_micro if c.pp_schedule == "gpipe" else min(c.pp - stage, n_micro))
-    edge = 2 * bsh * resid if last else 0  # final LayerNorm input and output
-    activations = in_flight * (layers * saved_layer + edge) + full_layer  # + one layer recomputed/backward
-    if c.amp == "O1":
-        activations += 2 * (4 * h * h + 2 * h * f) * layers // c.tp  # autocast's low-precision weight cache
+    edge = 2 * b * s * h * resid if last else 0  # final norm input and output
+    activations = in_flight * (saved + edge) + per_layer["none"]  # + one layer recomputed/backward
+    if c.amp == "O1":  # autocast's low-precision weight cache
+        activations += 2 * family.block_matmul_params(m) * layers // c.tp
     logits = 0
     if last:
         # fp32 log-softmax output, the incoming gradient and the gradient it produces; with amp
-        # also the low-precision logits and the gradient cast back to them.
+        # also the low-precision logits and the gradient cast back to them. Sharded over tp.
         per_token = 12 if c.amp == "O0" else 16
-        logits = per_token * b * s * m.vocab * (n_micro if c.pp > 1 and c.pp_schedule == "gpipe" else 1)
+        gpipe = n_micro if c.pp > 1 and c.pp_schedule == "gpipe" else 1
+        logits = per_token * b * s * m.vocab // c.tp * gpipe
     return activations, logits
 
 

@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 
 class RecipeError(ValueError):
@@ -50,15 +59,46 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    family: Literal["gpt"] = Field(
-        "gpt", description="Built-in model family. Only the GPT-style decoder exists today."
+    """What to train. The family (`tuner.models`) owns its formulas and the fields only it reads."""
+
+    family: Literal["gpt", "llama"] = Field(
+        "gpt", description="Model family: gpt (GPT-2 style) or llama (Llama-3 layout)."
     )
     layers: int = Field(..., ge=1, le=512, description="Number of transformer blocks.")
     hidden: int = Field(..., ge=8, le=65536, description="Model width (d_model).")
     heads: int = Field(..., ge=1, le=1024, description="Attention heads; must divide hidden.")
     seq_len: int = Field(..., ge=2, le=1_048_576, description="Tokens per sample.")
     vocab: int = Field(..., ge=2, le=2_000_000, description="Vocabulary size.")
-    ffn: int | None = Field(None, ge=1, description="MLP inner size; default 4 * hidden.")
+    ffn: int | None = Field(
+        None, ge=1, description="MLP inner size; null = the family's rule (gpt 4*hidden, llama 8/3*hidden)."
+    )
+    kv_heads: int | None = Field(
+        None,
+        ge=1,
+        description="llama: key/value heads (grouped-query attention); null = heads; divides heads.",
+    )
+    ffn_multiple_of: int | None = Field(
+        None, ge=1, description="llama: ffn: null rounds 8/3*hidden up to this multiple; null = 256."
+    )
+    rope_theta: Real | None = Field(
+        None, gt=0, description="llama: rotary position embedding base; null = 500000."
+    )
+    tie_embeddings: bool | None = Field(
+        None, description="llama: share the token embedding with the output projection; null = false."
+    )
+
+    @field_validator("kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings", mode="after")
+    @classmethod
+    def _family_field(cls, value: Any, info: ValidationInfo) -> Any:
+        from tuner.models import get_family
+
+        family = info.data.get("family")
+        if family is None:  # the family itself was invalid; that error is reported
+            return value
+        problem = get_family(family).check_field(info.field_name, value, info.data)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSpec:
@@ -69,13 +109,29 @@ class ModelSpec(_Section):
             )
         return self
 
+    def hash_fields(self) -> dict[str, Any]:
+        """The fields that change the model; unset family-only fields are left out, so adding a
+        family's fields never changed the hash (and the studies) of an existing recipe."""
+        return self.model_dump(exclude={k for k in FAMILY_ONLY_FIELDS if getattr(self, k) is None})
+
     @property
     def ffn_size(self) -> int:
-        return self.ffn if self.ffn is not None else 4 * self.hidden
+        from tuner.models import family_of
+
+        return family_of(self).ffn_size(self)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def kv_heads_count(self) -> int:
+        from tuner.models import family_of
+
+        return family_of(self).kv_heads(self)
+
+
+FAMILY_ONLY_FIELDS = ("kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings")
 
 
 class TrainSpec(_Section):
@@ -114,6 +170,11 @@ class SearchSpec(_Section):
     overrides: dict[str, list[Any]] = Field(
         default_factory=dict, description="Narrow a knob's domain: {knob: [values]}."
     )
+    reuse: bool = Field(
+        True,
+        description="A job reuses the measured trials of earlier runs of the same recipe on the same "
+        "devices and software (one study per recipe hash and fingerprint); false: a fresh study.",
+    )
 
 
 class MeasureSpec(_Section):
@@ -133,7 +194,7 @@ class Recipe(_Section):
     def hash(self) -> str:
         """Stable 16-hex-digit hash of what changes the measurement (not name or search budget)."""
         payload = {
-            "model": self.model.model_dump(),
+            "model": self.model.hash_fields(),
             "train": self.train.model_dump(),
             "hardware": self.hardware.model_dump(),
             "measure": self.measure.model_dump(exclude={"timeout_s"}),

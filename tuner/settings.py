@@ -72,6 +72,20 @@ def runs_dir(environ: Mapping[str, str] | None = None, cwd: str | Path | None = 
     return absolute_path(env.get("TUNER_RUNS_DIR") or DEFAULT_RUNS_DIR, cwd)
 
 
+def mlflow_tracking_uri(
+    environ: Mapping[str, str] | None = None, cwd: str | Path | None = None
+) -> str | None:
+    """`TUNER_MLFLOW_TRACKING_URI` (None: no MLflow logging); a plain or relative `file:` path made
+    absolute, so the driver logs to the same store wherever it runs."""
+    env = os.environ if environ is None else environ
+    uri = (env.get("TUNER_MLFLOW_TRACKING_URI") or "").strip()
+    if not uri:
+        return None
+    if "://" not in uri:
+        return absolute_path(uri.removeprefix("file:"), cwd).as_uri()
+    return uri
+
+
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 1) -> int:
     raw = env.get(name)
     if raw is None or raw.strip() == "":

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from tuner.config import KNOBS, Config, ConfigError, infeasible_reasons
+from tuner.config import KNOBS, Config, ConfigError, infeasible_reasons, shape_reasons
 from tuner.devices import FAMILIES, DeviceInfo
 from tuner.recipe import Recipe
 
@@ -51,6 +51,10 @@ def _applies(name: str, values: dict[str, Any]) -> bool:
         return values["dp"] > 1 and values["dp_shard"] == "ddp"
     if name == "amp_dtype":
         return values["amp"] != "O0"
+    if name == "recompute_layers":
+        return values["recompute"] != "none"
+    if name == "sequence_parallel":
+        return values["tp"] > 1
     return True
 
 
@@ -62,6 +66,8 @@ _ORDER = (
     "bucket_mb",
     "grad_compression",
     "recompute",
+    "recompute_layers",
+    "sequence_parallel",
     "offload",
     "attention",
     "amp",
@@ -124,6 +130,20 @@ class SearchSpace:
             return False
         chosen = config.to_dict()
         return all(chosen[n] in self.domains[n] for n in _ORDER if _applies(n, chosen) and self.domains[n])
+
+    def shape_problem(self, recipe: Recipe) -> tuple[str, str] | None:
+        """(recipe field, message) when no split of this space fits the model's shapes (say
+        kv_heads 1 with every allowed tp > 1), so a study would prune every trial; else None."""
+        splits = self.splits(recipe.hardware.devices)
+        reasons = [shape_reasons(Config(dp=dp, tp=tp, pp=pp), recipe) for dp, tp, pp in splits]
+        if not splits or not all(reasons):
+            return None
+        field, message = reasons[0][0]
+        allowed = ", ".join(split_label(*s) for s in splits)
+        return (
+            field,
+            f"{message} in every split the space allows ({allowed}); widen search.overrides or change {field}",
+        )
 
     def suggest(self, trial: Any, recipe: Recipe, device: DeviceInfo) -> Config:
         """Sample a Config in an Optuna trial; knobs that do not apply are not sampled at all."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tuner.record import keys
+from tuner.record.importance import INDICATIVE_BELOW, RESAMPLES, uncertainty
 from tuner.record.importance import importances as knob_importances
 from tuner.record.reader import StudyRecord
 from tuner.record.trial import TrialRecord
@@ -103,6 +104,26 @@ def importances(study: StudyRecord) -> dict[str, float]:
     return knob_importances(study.trials, study.finished, study.distributions)
 
 
+def importance(study: StudyRecord, ranked: dict[str, float]) -> dict[str, Any]:
+    """Knob importance, most important first; below `INDICATIVE_BELOW` completed trials marked
+    indicative, with each knob's 10-90% range over bootstrap resamples."""
+    spread = uncertainty(study.trials, study.distributions)
+    out: dict[str, Any] = {
+        "params": list(ranked),
+        "values": list(ranked.values()),
+        "completed": spread.completed,
+        "indicative": spread.indicative,
+        "min_trials": INDICATIVE_BELOW,
+    }
+    if spread.indicative and ranked:
+        out.update(
+            low=[spread.low.get(k, 0.0) for k in ranked],
+            high=[spread.high.get(k, 0.0) for k in ranked],
+            resamples=RESAMPLES,
+        )
+    return out
+
+
 def parallel(sample: list[TrialRecord], knobs: list[str]) -> dict[str, Any]:
     done = [r for r in sample if _tput(r) is not None]
     top = sorted(done, key=lambda r: -_tput(r))[: PARALLEL_LIMIT // 5]
@@ -178,7 +199,7 @@ def plot_data(study: StudyRecord) -> dict[str, Any]:
             "total": sum(r.finished for r in study.trials),
             "sampled": len(sample),
             "history": history(sample),
-            "importance": {"params": list(ranked), "values": list(ranked.values())},
+            "importance": importance(study, ranked),
             # Before importance can be computed (4 trials), every knob that varies gets an axis.
             "parallel": parallel(sample, list(ranked) or _varying(study)),
             "pareto": pareto(sample),

@@ -13,7 +13,8 @@ from sqlalchemy import select
 from api import trials as trial_store
 from api.deps import ReadAuth, SessionDep, SettingsDep, WriteAuth
 from api.errors import ApiError
-from api.schemas import BestPublic, JobId, JobPage, JobPublic, JobState, TrialPage
+from api.responses import FiniteJSONResponse
+from api.schemas import BestPublic, JobId, JobLog, JobPage, JobPublic, JobState, TrialPage
 from api.settings import Settings
 from tuner.db import FINAL_STATES, Build, Job, add_event, utcnow
 from tuner.recipe import Recipe, RecipeError, parse_recipe, recipe_from_dict
@@ -112,7 +113,9 @@ def _check_recipe(recipe: Recipe, settings: Settings) -> None:
             problems.append(("search.space", f"unknown search space; this service has: {known}"))
         else:
             try:
-                load_space(space).narrow(recipe.search.overrides)
+                shape = load_space(space).narrow(recipe.search.overrides).shape_problem(recipe)
+                if shape:
+                    problems.append(shape)
             except SpaceError as err:
                 problems.append(("search.overrides", str(err)))
     if problems:
@@ -204,6 +207,20 @@ def cancel_job(job_id: JobId, session: SessionDep, _: WriteAuth):
     return JobPublic.from_row(job)
 
 
+@router.get(
+    "/{job_id}/log",
+    response_model=JobLog,
+    responses={404: {"description": "No job has this id, or it has no log (it did not fail)."}},
+)
+def read_job_log(job_id: JobId, session: SessionDep, _: ReadAuth):
+    """The whole log behind a job's one-line error: the traceback or build output the worker saw."""
+    job = _get_job(session, job_id)
+    if not job.log:
+        why = f"job {job_id} has no log: it is {job.state}" + ("" if job.error else " with no error")
+        raise ApiError(404, why, [("id", "no log")])
+    return JobLog(job_id=job.id, state=job.state, error=JobPublic.from_row(job).error, log=job.log)
+
+
 @router.get("/{job_id}/trials", response_model=TrialPage)
 def read_trials(
     job_id: JobId,
@@ -230,7 +247,10 @@ def read_trials(
         session, job.study_name, limit=limit, offset=offset, status=status, sort=sort
     )
     nxt = offset + len(items)
-    return TrialPage(items=items, total=total, next_cursor=str(nxt) if nxt < total else None)
+    # Items are TrialPublic's JSON already (cached per study version): sent as they are.
+    return FiniteJSONResponse(
+        {"items": items, "total": total, "next_cursor": str(nxt) if nxt < total else None}
+    )
 
 
 @router.get(

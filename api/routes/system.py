@@ -14,7 +14,7 @@ from api.deps import ReadAuth, SessionDep, SettingsDep
 from api.schemas import Readiness, SearchSpacePublic
 from api.settings import Settings
 from tuner.db import JOB_STATES, Job
-from tuner.record.reader import trial_counts_and_durations
+from tuner.record.studies import trial_counts_and_durations
 
 router = APIRouter(tags=["service"])
 

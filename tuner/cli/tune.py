@@ -76,6 +76,9 @@ def _preflight(recipe: Any, sampler: str) -> None:
         fail(
             f"search.overrides: no dp*tp*pp split in the space multiplies to hardware.devices={recipe.hardware.devices}"
         )
+    shape = space.shape_problem(recipe)
+    if shape:
+        fail(f"{shape[0]}: {shape[1]}")
 
 
 def short_config(config: dict[str, Any]) -> str:

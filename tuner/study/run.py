@@ -15,6 +15,7 @@ from tuner.study.budget import Budget, Hooks, Progress
 from tuner.study.driver import Driver
 from tuner.study.remeasure import remeasure
 from tuner.summary import StudySummary, summarize
+from tuner.tracking import tracked_hooks
 
 
 def run_study(
@@ -53,6 +54,7 @@ def run_study(
         executor = make_executor("local")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     driver = Driver(recipe, url, executor, budget, hooks, name=study_name, workdir=workdir)
+    driver.hooks = tracked_hooks(driver.hooks, driver.name, recipe.name)  # MLflow, when configured
     try:
         driver.open(list(enqueue))
         driver.refresh()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, session_scope, utcnow
 from tuner.record.snapshot import snapshot_study
 from tuner.summary import StudySummary
+from tuner.worker.wording import failure
 
 log = logging.getLogger("tuner.worker")
 
@@ -27,7 +29,8 @@ class BuildOutcome:
     sha256: str | None = None
     size_bytes: int | None = None
     build_id: int | None = None  # build_trial registers the row; the worker links it to the job
-    error: str | None = None
+    error: str | None = None  # one line (tuner.worker.wording): what failed, what to do next
+    log: str | None = None  # the whole failure, served by GET /v1/jobs/ID/log
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Outcome:
     summary: StudySummary | None = None
     error: str | None = None
     build: BuildOutcome | None = None
+    log: str | None = None
 
 
 class JobRun:
@@ -86,6 +90,10 @@ class JobRun:
                 self.lost.set()
                 return
             if isinstance(event.get("done"), int):
+                if job.trials_reused is None:
+                    # The driver's first event counts what the study held before this job ran
+                    # (a resumed job keeps the count its first attempt recorded).
+                    job.trials_reused = event["done"]
                 job.trials_done = event["done"]
             if isinstance(event.get("total"), int):
                 job.trials_total = event["total"]
@@ -103,7 +111,13 @@ class JobRun:
         except Exception as err:  # noqa: BLE001 - a failing job is data; the worker keeps going
             log.exception("job %s failed", self.job_id)
             # Stopping trials can make the study raise; a stop that was asked for is not a failure.
-            outcome = self._stopped() or Outcome("failed", error=f"{type(err).__name__}: {err}")
+            outcome = self._stopped() or Outcome(
+                "failed",
+                error=failure(
+                    "the study failed", err, "see the job's log; fix the recipe or the worker and resubmit"
+                ),
+                log=traceback.format_exc(),
+            )
         finally:
             self._done.set()
             beat.join()
@@ -118,6 +132,9 @@ class JobRun:
         with session_scope(self.url) as s:
             recipe = recipe_from_dict(s.get(Job, self.job_id).recipe)
         name = study_name(recipe, fingerprint(resolve_family(recipe.hardware.device)))
+        if not recipe.search.reuse:
+            # Fresh measurements: the job's own study (a re-queued job resumes it, same name).
+            name = f"{name}-job{self.job_id}"
         with session_scope(self.url) as s:
             s.get(Job, self.job_id).study_name = name
         cfg = self.worker.settings
@@ -130,6 +147,7 @@ class JobRun:
             progress=self._on_progress,
             should_stop=self.should_stop,
             remeasure_top=cfg.remeasure_top,
+            study_name=name,
         )
         stopped = self._stopped()
         if stopped:
@@ -180,7 +198,10 @@ class JobRun:
             )
         except Exception as err:  # noqa: BLE001 - the best config stands even when its build fails
             log.exception("job %s: build failed", self.job_id)
-            return BuildOutcome(error=f"build failed: {type(err).__name__}: {err}")
+            return BuildOutcome(
+                error=failure("build failed", err, "the best config stands; the job's log has the details"),
+                log=traceback.format_exc(),
+            )
         return BuildOutcome(trial_number, str(record.path), record.sha256, record.size_bytes, record.build_id)
 
     def _snapshot(self) -> None:
@@ -234,6 +255,7 @@ def _record_outcome(s: Any, job: Job, outcome: Outcome) -> None:
             s, job.id, "build", {"trial": build.trial, "sha256": build.sha256, "size_bytes": build.size_bytes}
         )
     job.error = outcome.error or build.error
+    job.log = outcome.log or build.log
     job.state, job.finished_at = outcome.state, utcnow()
     done = {
         "state": outcome.state,

@@ -1,27 +1,37 @@
 """Apply a config's knobs to a (stage of the) model with torch's own mechanisms.
 
-`apply_all` is the contract: pipeline split, tensor parallel, recompute, offload, compile, data
-parallel, in that order. Each step needs the module the previous one left:
+`apply_all` is the contract: pipeline split, tensor parallel, recompute, offload, compile, FSDP,
+materialise, DDP, in that order. The model arrives on the meta device. Each step needs the
+module the previous one left:
 - the pipeline split comes first so every later step only touches the layers this rank owns;
 - tensor parallel must see the plain `nn.Linear`s (before any wrapper) and must turn weights
   into DTensors before DDP/FSDP register their hooks on them;
 - recompute and offload wrap whole blocks (or attention) so they act on the TP-sharded compute;
 - compile runs per block after the wrappers so checkpointing is traced into the compiled graph,
   and before data parallelism so gradient communication stays outside compiled regions;
-- data parallelism is last: DDP buckets and FSDP shards the final set of parameters.
+- FSDP shards the final set of parameters, still on meta (it only needs shapes);
+- only then are this rank's shards allocated on the device and initialised (`materialize`), so
+  no rank ever holds more than its part of the model;
+- DDP comes last: it broadcasts real weights when it wraps the module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import parallel as _tp  # noqa: F401 - see below
 from torch.utils.checkpoint import checkpoint
 
-from tuner.config import Config
-from tuner.workload.model import GPT
+from tuner.config import Config, recomputed_layers
+from tuner.models import family_of
+from tuner.models.layers import Decoder
 from tuner.workload.parallel import ParallelDims
+
+# The DTensor stack (and the sympy it pulls in) loads with this module, before a rank takes its
+# memory baseline, so a rank's measured peak never counts tens of MiB of code as model memory.
 
 
 class Checkpointed(nn.Module):
@@ -48,41 +58,39 @@ class Offloaded(nn.Module):
             return self.inner(*args)
 
 
-def apply_pipeline_split(model: GPT, dims: ParallelDims, pp_rank: int) -> GPT:
+def apply_pipeline_split(model: Decoder, dims: ParallelDims, pp_rank: int) -> Decoder:
     if dims.pp_enabled:
         model.keep_stage(pp_rank, dims.pp)
     return model
 
 
-def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style split: column-wise qkv and MLP up, row-wise attention out and MLP down,
-    so each block needs one all-reduce in attention and one in the MLP. Each rank computes
-    heads/tp heads (the qkv layout in `model.Attention` keeps heads whole)."""
-    plan = {
-        "attn.qkv": ColwiseParallel(),
-        "attn.out": RowwiseParallel(),
-        "mlp.up": ColwiseParallel(),
-        "mlp.down": RowwiseParallel(),
-    }
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+def apply_tp(model: Decoder, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """The family's Megatron-style plan (`tuner.models.<family>_nn.parallelize`): column-wise
+    into each block's attention and MLP, row-wise out of them (one all-reduce each, or a
+    reduce-scatter and an all-gather under sequence parallelism), whole heads per rank, and the
+    embedding and output split over the vocabulary with the loss on the sharded logits."""
+    family_of(model.spec).parallelize(model, tp_mesh, sequence_parallel)
 
 
-def apply_recompute(model: GPT, mode: str) -> None:
-    """selective: checkpoint attention only; full: checkpoint every block."""
-    for name, block in list(model.layers.items()):
+def apply_recompute(model: Decoder, mode: str, fraction: float = 1.0) -> None:
+    """selective: checkpoint attention only; full: checkpoint the whole block. Only the first
+    `recompute_layers` of this stage's blocks (Megatron's block method): they are the ones whose
+    activations wait longest for their backward."""
+    names = list(model.layers.keys())
+    for name in names[: recomputed_layers(len(names), fraction)]:
+        block = model.layers[name]
         if mode == "full":
             model.layers[name] = Checkpointed(block)
         elif mode == "selective":
-            block.attn = Checkpointed(block.attn)
+            setattr(block, block.ATTENTION, Checkpointed(getattr(block, block.ATTENTION)))
 
 
-def apply_offload(model: GPT, pin_memory: bool) -> None:
+def apply_offload(model: Decoder, pin_memory: bool) -> None:
     for name, block in list(model.layers.items()):
         model.layers[name] = Offloaded(block, pin_memory)
 
 
-def apply_compile(model: GPT, mode: str) -> None:
+def apply_compile(model: Decoder, mode: str) -> None:
     # Per block: every block has the same graph, so Inductor compiles it once and reuses it.
     for block in model.layers.values():
         block.compile(mode=mode)
@@ -117,7 +125,7 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, config: Config, device: torc
     return ddp
 
 
-def apply_fsdp(model: GPT, dims: ParallelDims, param_dtype: torch.dtype | None) -> nn.Module:
+def apply_fsdp(model: Decoder, dims: ParallelDims, param_dtype: torch.dtype | None) -> nn.Module:
     """FSDP2: shard each block, then the rest. With amp=O2 the sharded fp32 parameters are the
     master weights and FSDP gathers them in `param_dtype` for compute."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -131,25 +139,28 @@ def apply_fsdp(model: GPT, dims: ParallelDims, param_dtype: torch.dtype | None) 
 
 
 def apply_all(
-    model: GPT,
+    model: Decoder,
     config: Config,
     dims: ParallelDims,
     pp_rank: int,
     device: torch.device,
+    materialize: Callable[[nn.Module], None],
     fsdp_param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Every knob, in the order the module docstring explains. Returns the module to train."""
+    """Every knob, in the order the module docstring explains. `materialize(module)` allocates
+    and initialises the rank's parameters. Returns the module to train."""
     apply_pipeline_split(model, dims, pp_rank)
     if dims.tp_enabled:
-        apply_tp(model, dims.mesh["tp"])
+        apply_tp(model, dims.mesh["tp"], config.sequence_parallel)
     if config.recompute != "none":
-        apply_recompute(model, config.recompute)
+        apply_recompute(model, config.recompute, config.recompute_layers)
     if config.offload:
         apply_offload(model, config.pin_memory)
     if config.compile != "none":
         apply_compile(model, config.compile)
-    if not dims.dp_enabled:
-        return model
-    if config.dp_shard == "fsdp":
-        return apply_fsdp(model, dims, fsdp_param_dtype)
-    return apply_ddp(model, dims, config, device)
+    fsdp = dims.dp_enabled and config.dp_shard == "fsdp"
+    module: nn.Module = apply_fsdp(model, dims, fsdp_param_dtype) if fsdp else model
+    materialize(module)
+    if not dims.dp_enabled or fsdp:
+        return module
+    return apply_ddp(module, dims, config, device)

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
@@ -21,7 +20,7 @@ from tuner.recipe import Recipe, recipe_from_dict
 from tuner.result import TrialSpec
 from tuner.workload.apply import apply_all
 from tuner.workload.data import make_loader
-from tuner.workload.model import GPT, build_model
+from tuner.workload.model import Decoder, build_meta, materialize
 from tuner.workload.parallel import ParallelDims, RankEnv, init_distributed
 from tuner.workload.precision import MasterWeights, low_dtype, make_optimizer, make_scaler
 
@@ -43,7 +42,7 @@ def _check_feasible(config: Config, recipe: Recipe, info: DeviceInfo, world: int
 @dataclass
 class Training:
     """Model, optimizer, data and schedule of one rank. `module` is what runs forward (the
-    stage module under pp, wrapped by DDP/FSDP under dp); `model` is the GPT inside it."""
+    stage module under pp, wrapped by DDP/FSDP under dp); `model` is the family's model inside it."""
 
     spec: TrialSpec
     recipe: Recipe
@@ -51,13 +50,17 @@ class Training:
     env: RankEnv
     dims: ParallelDims
     device: torch.device
-    model: GPT
+    model: Decoder
     module: nn.Module
     optimizer: torch.optim.Optimizer
     master: MasterWeights | None
     scaler: torch.amp.GradScaler | None
     n_microbatches: int
     batches: Any
+    # The rank's parameters as the optimizer holds them, listed before any forward: DDP over a
+    # tensor-parallel model swaps DTensor attributes in and out of the module around each forward,
+    # so `module.parameters()` is not a stable account of them.
+    params: list[torch.Tensor] = field(default_factory=list)
     schedule: Any = None
     _pp_losses: list[torch.Tensor] = field(default_factory=list)
 
@@ -79,15 +82,20 @@ class Training:
         torch.backends.cuda.matmul.allow_tf32 = config.tf32
         torch.backends.cudnn.allow_tf32 = config.tf32
 
-        model = build_model(recipe.model, config.attention, spec.seed, device)
+        # On the meta device until apply_all has split it: the rank allocates only its shard.
+        model = build_meta(recipe.model, config.attention)
         low = low_dtype(config)
         fsdp = dims.dp_enabled and config.dp_shard == "fsdp"
         if config.amp == "O1":
             model.autocast = (device.type, low)
         elif config.amp == "O2" and not fsdp:
-            model.to(low)
+            model.to(low)  # still meta: the weights are allocated (and drawn) in `low`
         fsdp_dtype = low if config.amp == "O2" else None
-        module = apply_all(model, config, dims, coords["pp"], device, fsdp_param_dtype=fsdp_dtype)
+
+        def allocate(module: nn.Module) -> None:
+            materialize(module, recipe.model, device, spec.seed)
+
+        module = apply_all(model, config, dims, coords["pp"], device, allocate, fsdp_param_dtype=fsdp_dtype)
 
         train = recipe.train
         params = [p for p in module.parameters() if p.requires_grad]
@@ -111,7 +119,7 @@ class Training:
         )
         training = cls(
             spec, recipe, config, env, dims, device, model, module, optimizer, master,
-            make_scaler(config, device.type), n_micro, iter(loader),
+            make_scaler(config, device.type), n_micro, iter(loader), params,
         )  # fmt: skip
         if dims.pp_enabled:
             training.schedule = training._make_schedule(coords["pp"])
@@ -148,9 +156,9 @@ class Training:
         nb = self.config.pin_memory
         return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
 
-    @staticmethod
-    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # The model knows whether its logits are whole or sharded over the vocabulary (tp > 1).
+        return self.model.loss(logits, targets)
 
     def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self._loss(logits, targets)
@@ -247,11 +255,11 @@ class Training:
         return vals.tolist()
 
     def local_params(self) -> int:
-        return sum(_local_numel(p) for p in self.module.parameters())
+        return sum(_local_numel(p) for p in self.params)
 
     def rank_report(self) -> dict[str, Any]:
         """What this rank actually runs, for the trial's evidence (result.extra["ranks"])."""
-        param = next(self.module.parameters())
+        param = self.params[0]
         return {
             "rank": self.env.rank,
             "coords": self.dims.coords(self.env.rank),

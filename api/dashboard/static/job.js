@@ -3,7 +3,14 @@
 import { api, authHeaders, badge, bytes, el, label, num, pct, seconds, showError } from "./common.js";
 import * as plots from "./plots.js";
 
-const jobId = Number(location.pathname.split("/").filter(Boolean).pop());
+// A REST job (/ui/jobs/ID) or a study with no job (/ui/studies/NAME: a `tuner tune` run, a
+// nightly): the same page, its data read by job id or by study name.
+const [, kind, ref] = location.pathname.split("/").filter(Boolean);
+const isJob = kind === "jobs";
+const jobId = isJob ? Number(ref) : null;
+const BASE = isJob ? `/ui/api/jobs/${jobId}` : `/ui/api/studies/${encodeURIComponent(ref)}`;
+// Comparison refers to trials as JOB:TRIAL, so it is offered on a job's page only.
+const compareHref = (n) => (isJob ? `/ui/compare?a=${jobId}:${n}` : null);
 // Read by the browser tests and the load benchmark: set once the table and plots first rendered.
 const dash = (window.__dashboard = { ready: false, tableReady: false, plotsReady: false, events: 0, refreshes: 0, timings: {} });
 // Milliseconds since navigation start at which each step first finished (for the load benchmark).
@@ -13,7 +20,7 @@ const $ = (id) => document.getElementById(id);
 let overview = null;
 
 const COLUMNS = [
-  ["number", "#", (t) => el("a", { href: `/ui/compare?a=${jobId}:${t.number}` }, t.number)],
+  ["number", "#", (t) => (isJob ? el("a", { href: compareHref(t.number) }, t.number) : String(t.number))],
   ["status", "Status", (t) => { const b = badge(t.status); if (t.error) b.title = t.error; return b; }],
   ["tokens_per_s", "tokens/s", (t) => num(t.tokens_per_s)],
   ["mfu", "MFU", (t) => pct(t.mfu)],
@@ -33,20 +40,39 @@ function markReady() {
 
 async function loadOverview() {
   try {
-    overview = await api(`/ui/api/jobs/${jobId}/overview`);
+    overview = await api(`${BASE}/overview`);
   } catch (err) {
     showError($("job-header"), err);
     return;
   }
   const { job, best, speedup, build, failures } = overview;
-  document.title = `#${job.id} ${job.name} · tuner`;
-  $("job-header").replaceChildren(
-    el("h1", {}, `Job #${job.id}: `, el("a", { href: `/ui/recipes/${encodeURIComponent(job.name)}` }, job.name), " ", badge(job.state)),
+  document.title = isJob ? `#${job.id} ${job.name} · tuner` : `${job.name} (study) · tuner`;
+  const recipe = el("a", { href: `/ui/recipes/${encodeURIComponent(job.name)}` }, job.name);
+  $("job-header").replaceChildren(...[
+    el("h1", {}, isJob ? `Job #${job.id}: ` : "Study: ", recipe, " ", badge(job.state)),
+    isJob ? null : el("p", { class: "muted" }, `${job.study_name} · not a job of this service (run by tuner tune or the nightly)`),
     el("p", {}, el("progress", { max: job.trials_total || 1, value: job.trials_done }),
-      ` ${job.trials_done}/${job.trials_total} trials · best ${num(job.best_tokens_per_s)} tokens/s`,
-      job.error ? el("span", { class: "error" }, ` · ${job.error}`) : null));
+      " trials ", el("span", { id: "job-progress" }, job.progress), ` · best ${num(job.best_tokens_per_s)} tokens/s`),
+    job.error ? errorLine(job) : null].filter(Boolean));
   renderBest(best, speedup, build, job);
   renderFailures(failures);
+}
+
+// A failed job: its one-line error, and its full log one click away (GET /v1/jobs/ID/log).
+function errorLine(job) {
+  if (!job.links.log) return el("p", { id: "job-error", class: "error" }, job.error);
+  const box = el("pre", { id: "job-log", class: "log", hidden: true });
+  const link = el("a", { id: "job-log-link", href: job.links.log, onclick: async (ev) => {
+    ev.preventDefault();
+    if (!box.hidden) { box.hidden = true; return; }
+    try {
+      box.textContent = (await api(job.links.log)).log;
+    } catch (err) {
+      box.textContent = err.message;
+    }
+    box.hidden = false;
+  } }, "full log");
+  return el("div", {}, el("p", { id: "job-error", class: "error" }, job.error, " · ", link), box);
 }
 
 function renderBest(best, speedup, build, job) {
@@ -54,8 +80,10 @@ function renderBest(best, speedup, build, job) {
   card.hidden = !best;
   if (!best) return;
   $("best-summary").replaceChildren(
-    el("strong", { id: "best-tokens" }, `${num(best.tokens_per_s)} tokens/s`), " · trial ",
-    el("a", { href: `/ui/compare?a=${jobId}:${best.number}` }, `#${best.number}`),
+    el("strong", { id: "best-tokens" }, `${num(best.tokens_per_s)} tokens/s`), " ",
+    el("span", { id: "best-interval", class: "muted", title: "the larger of the spread over its measurements and within its steps" },
+      `± ${pct(best.noise)}`), " · trial ",
+    isJob ? el("a", { href: compareHref(best.number) }, `#${best.number}`) : `#${best.number}`,
     " · speedup ", el("strong", { id: "best-speedup" }, speedup ? `${speedup.toFixed(2)}×` : "–"),
     " over the default config · MFU ", pct(best.mfu), " · peak ", bytes(best.peak_mem_allocated_bytes));
   $("best-knobs").replaceChildren(...Object.entries(best.params).sort().map(([k, v]) =>
@@ -63,8 +91,10 @@ function renderBest(best, speedup, build, job) {
   const button = $("download-build");
   button.disabled = !build.ready;
   button.dataset.sha256 = build.sha256 || "";
+  button.dataset.url = build.url;
   $("build-status").textContent = build.ready
     ? `${bytes(build.size_bytes)} · sha256 ${build.sha256.slice(0, 12)}…`
+    : !isJob ? "no build: make one with tuner build RECIPE"
     : ["succeeded", "failed", "cancelled"].includes(job.state) ? "no build for this job" : "the build is made when the job succeeds";
   const bd = best.attrs.breakdown;
   $("breakdown-plot").hidden = !bd;
@@ -82,13 +112,13 @@ $("download-build").addEventListener("click", async () => {
   const status = $("build-status");
   status.textContent = "downloading…";
   try {
-    const res = await fetch(`/v1/jobs/${jobId}/build`, { headers: authHeaders() });
+    const res = await fetch($("download-build").dataset.url, { headers: authHeaders() });
     if (!res.ok) throw new Error((await res.json()).detail);
     const data = await res.arrayBuffer();
     const expected = res.headers.get("X-Checksum-Sha256") || $("download-build").dataset.sha256;
     const actual = await sha256Hex(data);
     if (expected && actual !== expected) throw new Error(`checksum mismatch: got ${actual}, expected ${expected}`);
-    const name = (res.headers.get("content-disposition") || "").match(/filename="?([^";]+)"?/)?.[1] || `job-${jobId}-build.tar.gz`;
+    const name = (res.headers.get("content-disposition") || "").match(/filename="?([^";]+)"?/)?.[1] || "build.tar.gz";
     const link = el("a", { href: URL.createObjectURL(new Blob([data])), download: name });
     document.body.append(link);
     link.click();
@@ -119,7 +149,7 @@ async function loadTable() {
   view.knobs.forEach((v, k) => q.append("knob", `${k}:${v}`));
   let data;
   try {
-    data = await api(`/ui/api/jobs/${jobId}/trials?${q}`);
+    data = await api(`${BASE}/trials?${q}`);
   } catch (err) {
     showError($("page-info"), err);
     tableDrawn();
@@ -199,7 +229,7 @@ function pick(number, on) {
   on ? view.selected.add(number) : view.selected.delete(number);
   const chosen = [...view.selected].slice(-2);
   const link = $("compare-link");
-  link.hidden = chosen.length !== 2;
+  link.hidden = !isJob || chosen.length !== 2;
   if (chosen.length === 2) link.href = `/ui/compare?a=${jobId}:${chosen[0]}&b=${jobId}:${chosen[1]}`;
 }
 
@@ -217,7 +247,7 @@ async function drawParallel() {
 async function loadPlots() {
   let data;
   try {
-    data = await api(`/ui/api/jobs/${jobId}/plots`);
+    data = await api(`${BASE}/plots`);
   } catch (err) {
     showError($("plots-note"), err);
     return;
@@ -235,6 +265,7 @@ async function loadPlots() {
   $("plot-importance").querySelector("p.muted")?.remove();
   if (data.importance && data.importance.params.length) jobs.push(plots.importance($("plot-importance"), data.importance));
   else $("plot-importance").replaceChildren(el("p", { class: "muted" }, "Knob importance appears after 4 completed trials."));
+  importanceNote(data.importance);
   if (data.pareto && data.pareto.all.number.length) jobs.push(plots.pareto($("plot-pareto"), data.pareto));
   if (data.memory && data.memory.number.length) jobs.push(plots.memory($("plot-memory"), data.memory));
   await Promise.all(jobs);
@@ -247,6 +278,15 @@ async function loadPlots() {
   dash.plotsReady = true;
   markReady();
   lastParallel = data.parallel;
+}
+
+// Below 20 completed trials the knobs' order is a hint, not a finding: say so, with the spread.
+function importanceNote(imp) {
+  const note = $("importance-note");
+  note.hidden = !(imp && imp.indicative && imp.params.length);
+  if (note.hidden) return;
+  note.textContent = `Indicative only: importance from ${imp.completed} completed trials (reliable from ${imp.min_trials}). `
+    + `Whiskers: the 10–90% range over ${imp.resamples} bootstrap resamples of the trials.`;
 }
 
 // Plotly runs once the first table page is drawn (or failed), so the table shows first.
@@ -276,6 +316,7 @@ function refreshSoon() {
 
 // Server-sent events over fetch: EventSource cannot send the Authorization header.
 async function follow() {
+  if (!isJob) return pollStudy();
   let last = 0;
   for (let attempt = 0; attempt < 1000; attempt += 1) {
     $("live-status").textContent = "live: connected";
@@ -314,6 +355,16 @@ async function follow() {
       await new Promise((r) => setTimeout(r, 2000));
     }
   }
+}
+
+// A study run from the CLI has no events: while it has a running trial, re-read it every 5 s.
+async function pollStudy() {
+  while (overview && overview.job.state === "running") {
+    $("live-status").textContent = "live: a trial is running (refreshed every 5 s)";
+    await new Promise((r) => setTimeout(r, 5000));
+    refreshSoon();
+  }
+  $("live-status").textContent = "";
 }
 
 await Promise.all([loadOverview(), loadTable(), loadPlots()]);

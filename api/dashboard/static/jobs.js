@@ -6,6 +6,28 @@ const stateFilter = document.getElementById("state-filter");
 const tbody = document.querySelector("#jobs-table tbody");
 const status = document.getElementById("jobs-status");
 
+// Studies no job of this service ran (`tuner tune` on the same database, the nightly): each
+// opens the same page as a job's, read by study name.
+const studiesBody = document.querySelector("#studies-table tbody");
+const studiesStatus = document.getElementById("studies-status");
+
+async function loadStudies() {
+  try {
+    const page = await api("/v1/studies");
+    const others = page.items.filter((s) => !s.job_ids.length);
+    studiesBody.replaceChildren(...others.map((s) => el("tr", { dataset: { study: s.name, source: s.source } },
+      el("td", {}, el("a", { href: s.links.page }, s.recipe_name)),
+      el("td", {}, s.source === "cli" ? "tuner tune" : s.source),
+      el("td", { class: "num" }, num(s.finished)),
+      el("td", { class: "num" }, num(s.best_tokens_per_s)),
+      el("td", {}, age(s.last_change)),
+      el("td", { class: "muted" }, s.name))));
+    studiesStatus.textContent = others.length ? "" : "Every study in this database belongs to a job above.";
+  } catch (err) {
+    showError(studiesStatus, err);
+  }
+}
+
 async function loadJobs() {
   const state = stateFilter.value;
   const query = new URLSearchParams({ limit: "200" });
@@ -26,7 +48,7 @@ function jobRow(job) {
     el("td", {}, el("a", { href: `/ui/jobs/${job.id}` }, `#${job.id}`)),
     el("td", {}, el("a", { href: `/ui/recipes/${encodeURIComponent(job.name)}` }, job.name)),
     el("td", {}, badge(job.state)),
-    el("td", {}, el("progress", { max: total || 1, value: job.trials_done }), ` ${job.trials_done}/${total}`),
+    el("td", { class: "progress" }, el("progress", { max: total || 1, value: job.trials_done }), ` ${job.progress}`),
     el("td", { class: "num" }, num(job.best_tokens_per_s)),
     el("td", { class: "num" }, job.speedup ? `${job.speedup.toFixed(2)}×` : "–"),
     el("td", {}, age(job.created_at)));
@@ -81,4 +103,6 @@ form.addEventListener("submit", async (ev) => {
 
 stateFilter.addEventListener("change", loadJobs);
 loadJobs();
+loadStudies();
 setInterval(loadJobs, REFRESH_MS);
+setInterval(loadStudies, 5 * REFRESH_MS);

@@ -28,20 +28,72 @@ export function history(node, h) {
 export function importance(node, imp) {
   const params = [...imp.params].reverse();
   const values = [...imp.values].reverse();
-  return draw(node, [{ type: "bar", orientation: "h", x: values, y: params, text: values.map((v) => v.toFixed(2)) }],
-    { title: { text: "Knob importance (PED-ANOVA)" }, xaxis: { title: { text: "importance for tokens/s" } }, margin: { ...LAYOUT.margin, l: 130 } });
+  const bar = { type: "bar", orientation: "h", x: values, y: params, text: values.map((v) => v.toFixed(2)) };
+  if (imp.indicative && imp.low) {
+    // Asymmetric whiskers: the 10-90% range over bootstrap resamples of the trials.
+    const low = [...imp.low].reverse();
+    const high = [...imp.high].reverse();
+    bar.error_x = { type: "data", symmetric: false, array: values.map((v, i) => Math.max(0, high[i] - v)),
+      arrayminus: values.map((v, i) => Math.max(0, v - low[i])), color: "#6b7280" };
+    bar.marker = { color: "#9ca3af" };
+  }
+  const title = imp.indicative ? `Knob importance (PED-ANOVA), indicative: ${imp.completed} trials` : "Knob importance (PED-ANOVA)";
+  return draw(node, [bar], { title: { text: title }, xaxis: { title: { text: "importance for tokens/s" } }, margin: { ...LAYOUT.margin, l: 130 } });
 }
 
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs = {}, text = null) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== null) node.textContent = text;
+  return node;
+}
+
+// Viridis at t in [0, 1] (5 stops, interpolated): the colour of a line by its tokens/s.
+const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+function viridis(t) {
+  const x = Math.min(1, Math.max(0, t)) * (VIRIDIS.length - 1);
+  const i = Math.min(VIRIDIS.length - 2, Math.floor(x));
+  const f = x - i;
+  const c = VIRIDIS[i].map((v, k) => Math.round(v + f * (VIRIDIS[i + 1][k] - v)));
+  return `rgb(${c.join(",")})`;
+}
+
+// Parallel coordinates drawn as SVG: one axis per knob (its choices in order) and tokens/s, one
+// line per trial. Plotly's parcoords is a WebGL trace, seconds in a browser without a GPU, and
+// it is not in the partial bundle the dashboard serves.
 export function parallel(node, p) {
-  const dims = p.dimensions.map((d) => ({
-    label: d.name,
-    values: d.values.map((v) => d.choices.indexOf(v)),
-    tickvals: d.choices.map((_, i) => i),
-    ticktext: d.choices,
-  }));
-  dims.push({ label: "tokens/s", values: p.tokens_per_s });
-  return draw(node, [{ type: "parcoords", line: { color: p.tokens_per_s, colorscale: "Viridis", showscale: true }, dimensions: dims }],
-    { title: { text: "Parallel coordinates (most important knobs)" }, margin: { l: 60, r: 60, t: 70, b: 30 } });
+  const width = Math.max(520, node.clientWidth || 520);
+  const height = LAYOUT.height;
+  const m = { l: 50, r: 70, t: 60, b: 30 };
+  const axes = [...p.dimensions.map((d) => ({ label: d.name, ticks: d.choices,
+    pos: d.values.map((v) => (d.choices.length > 1 ? d.choices.indexOf(v) / (d.choices.length - 1) : 0.5)) }))];
+  const lo = Math.min(...p.tokens_per_s);
+  const hi = Math.max(...p.tokens_per_s);
+  const norm = (v) => (hi > lo ? (v - lo) / (hi - lo) : 0.5);
+  axes.push({ label: "tokens/s", ticks: [Math.round(lo).toLocaleString("en-US"), Math.round(hi).toLocaleString("en-US")],
+    pos: p.tokens_per_s.map(norm) });
+  const x = (i) => m.l + (i * (width - m.l - m.r)) / Math.max(1, axes.length - 1);
+  const y = (t) => height - m.b - t * (height - m.t - m.b);
+  const root = svg("svg", { class: "parcoords", width, height, viewBox: `0 0 ${width} ${height}` });
+  root.append(svg("text", { x: m.l, y: 24, "font-size": 16 }, "Parallel coordinates (most important knobs)"));
+  const order = p.tokens_per_s.map((v, i) => [v, i]).sort((a, b) => a[0] - b[0]); // best drawn last, on top
+  for (const [v, i] of order) {
+    const pts = axes.map((a, k) => `${x(k).toFixed(1)},${y(a.pos[i]).toFixed(1)}`).join(" ");
+    const line = svg("polyline", { points: pts, fill: "none", stroke: viridis(norm(v)), "stroke-opacity": 0.6, "stroke-width": 1.2 });
+    line.append(svg("title", {}, `#${p.number[i]}: ${Math.round(v).toLocaleString("en-US")} tokens/s`));
+    root.append(line);
+  }
+  axes.forEach((a, k) => {
+    root.append(svg("line", { x1: x(k), x2: x(k), y1: y(0), y2: y(1), stroke: "#374151" }));
+    root.append(svg("text", { x: x(k), y: m.t - 12, "text-anchor": "middle", "font-weight": 600 }, a.label));
+    const n = a.ticks.length;
+    a.ticks.forEach((tick, j) => {
+      root.append(svg("text", { x: x(k) + 4, y: y(n > 1 ? j / (n - 1) : 0.5) + 4 }, tick));
+    });
+  });
+  node.replaceChildren(root);
+  return Promise.resolve();
 }
 
 export function pareto(node, p) {

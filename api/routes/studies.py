@@ -1,0 +1,89 @@
+"""/v1/studies: every study in the database (a REST job's, a `tuner tune` run's, a nightly's), its
+winner as every view shows it, and its build when one was made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter
+from fastapi import Path as PathParam
+from fastapi.responses import FileResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.deps import ReadAuth, SessionDep
+from api.errors import ApiError
+from api.schemas import StudyPage, StudyPublic
+from tuner.db import Build, Job
+from tuner.record.reader import StudyRecord, read_study
+from tuner.record.studies import JOB, StudyListing, list_studies
+from tuner.record.winner import Verdict, job_verdict
+
+router = APIRouter(prefix="/v1/studies", tags=["studies"])
+
+# Study names hold only build-safe characters (tuner.study.naming).
+StudyName = Annotated[
+    str, PathParam(pattern=r"^[A-Za-z0-9._-]{1,512}$", description="The study's name, from GET /v1/studies.")
+]
+_404 = {404: {"description": "No study has this name."}}
+
+
+def latest_build(session: Session, study_name: str) -> Build | None:
+    """The study's newest build (a job's or one `tuner build` registered)."""
+    stmt = select(Build).where(Build.study_name == study_name).order_by(Build.id.desc()).limit(1)
+    return session.scalar(stmt)
+
+
+def get_study(session: Session, name: str) -> StudyRecord:
+    study = read_study(session, name)
+    if study is None:
+        raise ApiError(
+            404, f"study {name!r} not found", [("name", "no such study; GET /v1/studies lists them")]
+        )
+    return study
+
+
+def study_verdict(session: Session, study: StudyRecord) -> Verdict:
+    """The winner of a study that is not a job's: the trial its build was made of, else the
+    ranking (`tuner.record.winner.job_verdict`, the rule every view of a job uses too)."""
+    build = latest_build(session, study.study_name)
+    return job_verdict("running", None, study, build.trial_number if build else None)
+
+
+def _best(session: Session, listing: StudyListing) -> float | None:
+    if listing.source == JOB:
+        return session.scalar(select(Job.best_tokens_per_s).where(Job.id == listing.job_ids[0]))
+    study = read_study(session, listing.name)
+    verdict = study_verdict(session, study) if study is not None else None
+    return verdict.best.tokens_per_s if verdict and verdict.best else None
+
+
+@router.get("", response_model=StudyPage)
+def read_studies(session: SessionDep, _: ReadAuth):
+    """Every study, most recently changed first; a REST job's names its jobs (`job_ids`)."""
+    return StudyPage(items=[StudyPublic.from_listing(s, _best(session, s)) for s in list_studies(session)])
+
+
+@router.get(
+    "/{study_name}/build",
+    response_class=FileResponse,
+    responses={
+        200: {"content": {"application/gzip": {}}, "description": "The build tarball."},
+        404: {"description": "No study has this name, or no build was made of it."},
+    },
+)
+def read_study_build(study_name: StudyName, session: SessionDep, _: ReadAuth):
+    """Download the study's newest build (`tuner build`, or its job's); `X-Checksum-Sha256`."""
+    get_study(session, study_name)
+    build = latest_build(session, study_name)
+    if build is None or not Path(build.path).is_file():
+        raise ApiError(
+            404,
+            f"study {study_name!r} has no build; make one with `tuner build RECIPE`",
+            [("study_name", "no build")],
+        )
+    path = Path(build.path)
+    return FileResponse(
+        path, media_type="application/gzip", filename=path.name, headers={"X-Checksum-Sha256": build.sha256}
+    )

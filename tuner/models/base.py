@@ -1,0 +1,142 @@
+"""The contract every model family implements: its recipe fields and their checks, and the
+parameter and FLOP formulas the estimator, MFU and the performance model read.
+
+This module and each family's formula module (`gpt.py`, `llama.py`) import no torch, so the study
+driver can count a model it never builds. The torch side of a family (meta-device build, tensor
+parallel plan, initialisation) sits in `<family>_nn.py` and loads only in a trial rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tuner.recipe import ModelSpec
+
+
+class ModelFamily:
+    """One model family (`model.family` in a recipe).
+
+    Formulas take the recipe's `ModelSpec` and count what the family's torch module really holds
+    and computes; a test checks each against a built model. Methods:
+    - `ffn_size(m)`: the MLP inner width (the recipe's `ffn`, else the family's rule);
+    - `block_params(m)`, `block_matmul_params(m)`: one decoder block, all / only what tensor
+      parallel splits (the Linear weights);
+    - `embedding_params(m)`, `head_params(m)`: what the first / last pipeline stage holds
+      outside the blocks; `vocab_params(m)` the part of those split over the vocabulary under tp;
+    - `param_count(m)`: the whole model; `matmul_params(m)`: what the 6*N rule counts;
+    - `flops_per_token(m, seq_len)`: model FLOPs (forward and backward) per token;
+    - `attention_flops_share(m)`: the attention part of a block's FLOPs (selective recompute);
+    - `stage_layers(m, stage, stages)`: the decoder layers a pipeline stage owns;
+    - `build(m, attention)`: the torch module, on whatever device is current (the workload uses
+      `meta`); `parallelize(model, tp_mesh, sequence_parallel)`; `init_rule(m)`.
+    """
+
+    name: str = ""
+    # Recipe fields only this family reads (others must leave them unset).
+    fields: tuple[str, ...] = ()
+    nn_module: str = ""  # the module holding the torch side
+
+    # --- recipe fields ---------------------------------------------------------------------
+    def check_field(self, field: str, value: Any, values: dict[str, Any]) -> str | None:
+        """A message when `value` of `field` is wrong given the fields before it, else None."""
+        if value is not None and field not in self.fields:
+            owners = [f.name for f in _families() if field in f.fields]
+            return f"only the {', '.join(owners)} family has {field}; remove it or set model.family"
+        return None
+
+    def ffn_size(self, m: ModelSpec) -> int:
+        raise NotImplementedError
+
+    def kv_heads(self, m: ModelSpec) -> int:
+        return m.heads
+
+    # --- formulas --------------------------------------------------------------------------
+    def block_params(self, m: ModelSpec) -> int:
+        raise NotImplementedError
+
+    def block_matmul_params(self, m: ModelSpec) -> int:
+        raise NotImplementedError
+
+    def embedding_params(self, m: ModelSpec) -> int:
+        raise NotImplementedError
+
+    def head_params(self, m: ModelSpec) -> int:
+        raise NotImplementedError
+
+    def vocab_params(self, m: ModelSpec, first: bool, last: bool) -> int:
+        """Parameters split over the vocabulary under tp (token embedding, output projection)
+        on a stage that is `first` and/or `last`; a tied pair counts once."""
+        raise NotImplementedError
+
+    def param_count(self, m: ModelSpec) -> int:
+        """All parameters of the model (tied weights once)."""
+        return self.embedding_params(m) + m.layers * self.block_params(m) + self.head_params(m)
+
+    def matmul_params(self, m: ModelSpec) -> int:
+        """Parameters that take part in matmuls: the blocks' Linears and the output projection."""
+        return m.layers * self.block_matmul_params(m) + m.hidden * m.vocab
+
+    def attention_score_flops_per_token(self, m: ModelSpec, seq_len: int) -> float:
+        """QK^T and the weighted sum of V, forward and backward (6 * 2 * layers * hidden * seq)."""
+        return 12.0 * m.layers * m.hidden * seq_len
+
+    def flops_per_token(self, m: ModelSpec, seq_len: int | None = None) -> float:
+        """Model FLOPs (forward + backward) per token, PaLM-style: 6N plus attention scores.
+
+        Recompute is not counted: MFU measures useful model work, not work repeated to save memory.
+        """
+        s = m.seq_len if seq_len is None else seq_len
+        return 6.0 * self.matmul_params(m) + self.attention_score_flops_per_token(m, s)
+
+    def attention_flops_share(self, m: ModelSpec) -> float:
+        """Fraction of a block's FLOPs spent in attention (projections and scores)."""
+        h, s = m.hidden, m.seq_len
+        attn = self.attention_matmul_params(m) + 2 * h * s
+        return attn / (self.block_matmul_params(m) + 2 * h * s)
+
+    def attention_matmul_params(self, m: ModelSpec) -> int:
+        raise NotImplementedError
+
+    def stage_layers(self, m: ModelSpec, stage: int, stages: int) -> range:
+        """Decoder layers of pipeline stage `stage` of `stages` (the rules make pp divide layers)."""
+        per = m.layers // stages
+        return range(stage * per, (stage + 1) * per)
+
+    # --- torch side (loaded lazily) --------------------------------------------------------
+    def _nn(self) -> Any:
+        import importlib
+
+        return importlib.import_module(self.nn_module)
+
+    def build(self, m: ModelSpec, attention: str = "math") -> nn.Module:
+        return self._nn().build(m, attention)
+
+    def parallelize(self, model: nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+        """Tensor parallel over `tp_mesh`; the logits come out sharded over the vocabulary."""
+        self._nn().parallelize(model, tp_mesh, sequence_parallel)
+
+    def init_rule(self, m: ModelSpec) -> Any:
+        """canonical parameter name -> ("normal", std) | ("ones", 0) | ("zeros", 0)."""
+        return self._nn().init_rule(m)
+
+
+_REGISTRY: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    _REGISTRY[family.name] = family
+    return family
+
+
+def _families() -> list[ModelFamily]:
+    return list(_REGISTRY.values())
+
+
+def get_family(name: str) -> ModelFamily:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(_REGISTRY)}") from None
