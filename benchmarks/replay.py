@@ -79,6 +79,11 @@ class Table:
         overstates what running an OOM config costs)."""
         header, rows = read_table(path)
         doc = json.loads(header["recipe"])
+        # A knob added since the table was measured stays at its default: the table has no other.
+        overrides = doc.setdefault("search", {}).setdefault("overrides", {})
+        for name in KNOBS:
+            if rows and name not in rows[0] and name not in overrides:
+                overrides[name] = [getattr(Config(), name)]
         if memory_budget_gb is not None:
             doc["hardware"]["memory_budget_gb"] = memory_budget_gb
             limit = memory_budget_gb * 2**30
