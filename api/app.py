@@ -14,7 +14,7 @@ from fastapi.responses import RedirectResponse
 from api.dashboard import router as dashboard_router
 from api.errors import BodySizeLimit, document_errors, install_error_handlers
 from api.responses import FiniteJSONResponse
-from api.routes import events, jobs, studies, system
+from api.routes import events, jobs, plans, studies, system
 from api.settings import Settings
 
 log = logging.getLogger("tuner.api")
@@ -54,6 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(jobs.router)
     app.include_router(events.router)
+    app.include_router(plans.router)
     app.include_router(studies.router)
     app.include_router(system.router)
     app.include_router(dashboard_router)

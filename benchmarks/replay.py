@@ -2,8 +2,11 @@
 
 Strategies:
 - `tuner`: this project's tuner, the same code path as `tuner tune` (`tuner.study.run_study`: the
-  baseline first, feasibility and estimator pruning, duplicate reuse, its TPE sampler), with only
-  the executor replaced by a table lookup (`TableExecutor`).
+  baseline first, feasibility and estimator pruning, duplicate reuse, and the sampler `tuner tune`
+  uses by default, `search.sampler`'s default), with only the executor replaced by a table lookup
+  (`TableExecutor`).
+- `model`: the same with the performance-model sampler (`search.sampler: model`).
+- `tuner_tpe`: the same with the TPE sampler (what `tuner` was before the model sampler).
 - `tpe`: plain Optuna TPE over the same knobs (no pruning, no baseline); failures are told FAIL.
 - `random`: random search over the space, without repeats.
 - `grid`: the space in grid order.
@@ -41,14 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_table import read_table  # noqa: E402
 
 from tuner.baseline import baseline_config  # noqa: E402
-from tuner.config import Config, infeasible_reasons  # noqa: E402
+from tuner.config import KNOBS, Config, infeasible_reasons  # noqa: E402
 from tuner.devices import describe  # noqa: E402
 from tuner.executors.base import Executor  # noqa: E402
 from tuner.recipe import recipe_from_dict  # noqa: E402
 from tuner.result import TrialResult, TrialSpec  # noqa: E402
 from tuner.space import load_space  # noqa: E402
 
-STRATEGIES = ("tuner", "tpe", "random", "grid", "largest_mbs")
+STRATEGIES = ("tuner", "model", "tuner_tpe", "tpe", "random", "grid", "largest_mbs")
 
 
 @dataclass
@@ -76,6 +79,11 @@ class Table:
         overstates what running an OOM config costs)."""
         header, rows = read_table(path)
         doc = json.loads(header["recipe"])
+        # A knob added since the table was measured stays at its default: the table has no other.
+        overrides = doc.setdefault("search", {}).setdefault("overrides", {})
+        for name in KNOBS:
+            if rows and name not in rows[0] and name not in overrides:
+                overrides[name] = [getattr(Config(), name)]
         if memory_budget_gb is not None:
             doc["hardware"]["memory_budget_gb"] = memory_budget_gb
             limit = memory_budget_gb * 2**30
@@ -84,7 +92,8 @@ class Table:
                     r["status"] = "oom"
                     r["error"] = f"measured peak over the {memory_budget_gb} GiB budget"
         recipe = recipe_from_dict(doc)
-        by_key = {r["key"]: r for r in rows}
+        # Re-key by today's Config: a knob added since the table was measured takes its default.
+        by_key = {Config.from_params({k: r[k] for k in KNOBS if r.get(k, "") != ""}).key(): r for r in rows}
         ok = [float(r["tokens_per_s"]) for r in rows if r["status"] == "ok" and r["tokens_per_s"]]
         walls = [float(r["wall_s"]) for r in rows if r["wall_s"]]
         return cls(recipe, by_key, max(ok), min(walls), recipe.hardware.devices)
@@ -154,7 +163,8 @@ def _space(table: Table):
     return load_space(r.search.space or "cpu").narrow(r.search.overrides)
 
 
-def strategy_tuner(table: Table, seed: int, budget: int) -> list[Run]:
+def strategy_tuner(table: Table, seed: int, budget: int, sampler: str | None = None) -> list[Run]:
+    from tuner.recipe import SearchSpec
     from tuner.study import run_study
 
     ex = TableExecutor(table, random.Random(seed))
@@ -167,7 +177,7 @@ def strategy_tuner(table: Table, seed: int, budget: int) -> list[Run]:
             trials=budget * 3,
             timeout_s=1e9,
             patience=None,
-            sampler="tpe",
+            sampler=sampler or SearchSpec.model_fields["sampler"].default,
             seed=seed,
             remeasure_top=0,
             workdir=tmp,
@@ -176,6 +186,14 @@ def strategy_tuner(table: Table, seed: int, budget: int) -> list[Run]:
             should_stop=lambda: len(ex.runs) >= budget,
         )
     return ex.runs[:budget]
+
+
+def strategy_model(table: Table, seed: int, budget: int) -> list[Run]:
+    return strategy_tuner(table, seed, budget, sampler="model")
+
+
+def strategy_tuner_tpe(table: Table, seed: int, budget: int) -> list[Run]:
+    return strategy_tuner(table, seed, budget, sampler="tpe")
 
 
 def strategy_tpe(table: Table, seed: int, budget: int) -> list[Run]:

@@ -1,18 +1,20 @@
-"""Why a config never reaches a device: the feasibility rules and the estimator's predicted OOM.
+"""Why a config never reaches a device: the feasibility rules, the estimator's predicted OOM, and
+the OOM floor (a config estimated at least as large as one that ran out of memory will too).
 
 Both cost no device time, so the study asks these first and tells the trial PRUNED with the reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from tuner.config import Config, infeasible_reasons
 from tuner.devices import DeviceInfo
-from tuner.estimate import OOM_MARGIN, budget_bytes, estimate, predicts_oom
+from tuner.estimate import OOM_MARGIN, Estimate, budget_bytes, estimate, predicts_oom
 from tuner.recipe import Recipe
 
-__all__ = ["OOM_MARGIN", "Verdict", "calibration_factor", "verdict"]
+__all__ = ["OOM_MARGIN", "OomFloor", "Verdict", "calibration_factor", "oom_floor", "verdict"]
 
 
 @dataclass(frozen=True)
@@ -38,15 +40,55 @@ def calibration_factor(pairs: list[tuple[float, float]], minimum: int = 3) -> fl
     return min(2.0, max(0.5, median))
 
 
-def verdict(config: Config, recipe: Recipe, device: DeviceInfo, calibration: float = 1.0) -> Verdict:
-    """Feasibility first (cheap, certain), then the memory estimate against the budget.
+def _floor_group(config: Config) -> tuple:
+    # The estimator's error depends mostly on the split and the AMP level: compare within them.
+    return (config.dp, config.tp, config.pp, config.amp)
 
-    `calibration` scales the estimate by what this study measured so far (`calibration_factor`).
+
+@dataclass(frozen=True)
+class OomFloor:
+    """Per split and AMP level, the smallest estimated peak among configs that ran out of memory
+    in this study, and the trial that did: anything estimated at least that large is bound to."""
+
+    floors: dict[tuple, tuple[int, int]] = field(default_factory=dict)  # group -> (bytes, trial)
+
+    def bound(self, config: Config, estimated_peak: int) -> int | None:
+        """The trial number whose OOM bounds this config, or None."""
+        hit = self.floors.get(_floor_group(config))
+        return hit[1] if hit is not None and estimated_peak >= hit[0] else None
+
+
+def oom_floor(ooms: Iterable[tuple[Config, int | None, int]]) -> OomFloor:
+    """The floor from (config, its estimated peak, trial number) of every trial that OOMed."""
+    floors: dict[tuple, tuple[int, int]] = {}
+    for config, est, number in ooms:
+        if not est:
+            continue
+        group = _floor_group(config)
+        if group not in floors or est < floors[group][0]:
+            floors[group] = (int(est), number)
+    return OomFloor(floors)
+
+
+def verdict(
+    config: Config,
+    recipe: Recipe,
+    device: DeviceInfo,
+    calibration: float = 1.0,
+    floor: OomFloor | None = None,
+    est: Estimate | None = None,
+) -> Verdict:
+    """Feasibility first (cheap, certain), then the memory estimate against the budget, then
+    the OOM floor.
+
+    `calibration` scales the estimate by what this study measured so far (`calibration_factor`);
+    `floor` holds what ran out of memory in it (`oom_floor`); `est`, the config's estimate when
+    the caller has it already (the model sampler judges thousands of configs per trial).
     """
     reasons = infeasible_reasons(config, recipe, device)
     if reasons:
         return Verdict("infeasible: " + "; ".join(reasons))
-    est = estimate(recipe, config, device)
+    est = est or estimate(recipe, config, device)
     budget = budget_bytes(recipe, device)
     peak = int(est.peak_mem_bytes)
     if predicts_oom(est, budget, calibration=calibration):
@@ -57,6 +99,14 @@ def verdict(config: Config, recipe: Recipe, device: DeviceInfo, calibration: flo
         return Verdict(
             f"predicted out of memory: peak {predicted / 2**30:.3f} GiB per device{scaled} "
             f"exceeds the {budget / 2**30:.3f} GiB budget (margin {OOM_MARGIN:.0%})",
+            peak,
+            budget,
+        )
+    bound = floor.bound(config, peak) if floor is not None else None
+    if bound is not None:
+        return Verdict(
+            f"predicted out of memory: estimated peak {peak / 2**30:.3f} GiB is at least that of "
+            f"trial {bound}, which ran out of memory with the same split and AMP level",
             peak,
             budget,
         )

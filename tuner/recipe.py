@@ -50,7 +50,7 @@ def _number(value: Any) -> Any:
 Real = Annotated[float, BeforeValidator(_number)]
 
 
-Sampler = Literal["tpe", "gp", "cmaes", "random", "grid"]
+Sampler = Literal["tpe", "model", "gp", "cmaes", "random", "grid"]
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
 
 
@@ -172,7 +172,10 @@ class SearchSpec(_Section):
     )
     trials: int = Field(30, ge=1, le=100_000, description="Trials to run (pruned ones count).")
     timeout_min: Real = Field(30, gt=0, description="Stop starting new trials after this long.")
-    sampler: Sampler = Field("tpe", description="Search algorithm; grid enumerates the space.")
+    sampler: Sampler = Field(
+        "model",
+        description="Search algorithm: model (the performance model picks), tpe, gp, cmaes, random; grid enumerates the space.",
+    )
     seed: int = Field(0, ge=0)
     objective: Literal["throughput", "throughput_memory"] = Field(
         "throughput", description="throughput_memory also minimises peak memory (Pareto front)."

@@ -57,11 +57,13 @@ def _preflight(recipe: Any, sampler: str) -> None:
     from tuner.devices import describe, resolve_family
     from tuner.space import SpaceError, load_space
     from tuner.study import make_sampler
+    from tuner.study.samplers import SamplerContext
 
     try:
         family = resolve_family(recipe.hardware.device)
         space = load_space(recipe.search.space or family).narrow(recipe.search.overrides)
-        make_sampler(sampler, 0, recipe.search.objective == "throughput_memory")
+        context = SamplerContext(recipe, space, describe(family))
+        make_sampler(sampler, 0, recipe.search.objective == "throughput_memory", context)
     except (SpaceError, ValueError) as err:
         fail(str(err))
     have = describe(family).count

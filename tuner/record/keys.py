@@ -71,6 +71,14 @@ DRIVER_DIED = "driver_died"  # the driver that owned it died; its config goes ba
 RETRY_OF = "retry_of"
 CONFIG = "config"  # a full knob setting stored whole (older studies); newer ones rebuild it from params
 
+# What the performance-model sampler (tuner.perf.sampler) records about each trial it saw asked.
+CHOSEN_BY = "chosen_by"  # CHOSEN_BY_MODEL, CHOSEN_BY_TPE (the model fitted badly) or CHOSEN_BY_QUEUE
+PREDICTED_TOKENS_PER_S = "predicted_tokens_per_s"  # the model's expectation before the run
+PREDICTED_INTERVAL = "predicted_interval"  # [low, high] tokens/s, its 90% interval
+CHOSEN_BY_MODEL = "model"
+CHOSEN_BY_TPE = "tpe"
+CHOSEN_BY_QUEUE = "queue"  # enqueued by the driver (baseline, warm start, retry): predicted only
+
 # Roles the driver gives the trials it queues itself.
 BASELINE = "baseline"
 FP32_REFERENCE = "fp32_reference"

@@ -20,7 +20,7 @@ from tuner.config import Config
 from tuner.devices import describe, resolve_family
 from tuner.executors.base import Executor
 from tuner.fingerprint import fingerprint, fingerprint_hash
-from tuner.prune import calibration_factor, verdict
+from tuner.prune import OomFloor, calibration_factor, oom_floor, verdict
 from tuner.recipe import Recipe
 from tuner.record import keys
 from tuner.record.ranking import rank_trials
@@ -29,11 +29,11 @@ from tuner.record.trial import from_frozen
 from tuner.result import TrialResult, TrialSpec
 from tuner.resume import new_owner, recover_dead_trials, similar_study_configs
 from tuner.settings import absolute_path, runs_dir
-from tuner.space import SearchSpace, load_space, trial_params
+from tuner.space import SearchSpace, config_from_params, load_space, trial_params
 from tuner.storage import get_storage
 from tuner.study.budget import Budget, Hooks
 from tuner.study.naming import study_name
-from tuner.study.samplers import make_sampler
+from tuner.study.samplers import SamplerContext, make_sampler
 
 HEARTBEAT_INTERVAL_S = 5.0  # also how long one executor.wait blocks
 
@@ -88,6 +88,7 @@ class Driver:
         self.done = 0
         self.measured: dict[str, int] = {}
         self.calibration = 1.0
+        self.floor = OomFloor()  # what ran out of memory bounds the configs estimated larger
         self.best: float | None = None
         self._ranked_at: tuple[int, int] | None = None  # (finished trials, study attrs) last ranked
         self._grid: list[Config] | None = None
@@ -101,7 +102,8 @@ class Driver:
         )
         n_before = len(probe.get_trials(deepcopy=False))
         # Offset the seed by the history so a resumed random/grid search does not replay itself.
-        sampler = make_sampler(self.budget.sampler, self.budget.seed + n_before, self.multi)
+        context = SamplerContext(self.recipe, self.space, self.device)
+        sampler = make_sampler(self.budget.sampler, self.budget.seed + n_before, self.multi, context)
         self.study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
         if keys.RECIPE not in self.study.user_attrs:
             self._first_open()
@@ -158,6 +160,11 @@ class Driver:
         self.calibration = calibration_factor(
             [(t.user_attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES), t.user_attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES)) for t in complete]
         )  # fmt: skip
+        self.floor = oom_floor(
+            (config_from_params(t.params), t.user_attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES), t.number)
+            for t in self.finished
+            if t.user_attrs.get(keys.STATUS) == OOM
+        )
         self._rank(trials)
         return trials
 
@@ -274,11 +281,13 @@ class Driver:
         key = config.key()
         trial.set_user_attr(keys.CONFIG_KEY, key)
         self.event("trial_started", trial=trial.number, config=config.active_params(), role=role)
-        v = verdict(config, self.recipe, self.device, self.calibration)
+        v = verdict(config, self.recipe, self.device, self.calibration, self.floor)
         trial.set_user_attr(keys.ESTIMATOR_CALIBRATION, round(self.calibration, 4))
         duplicate = self._measured_twin(key)
         if v.reason is not None:
             self._prune(trial, config, v.reason)
+            if v.estimated_peak_mem_bytes is not None:  # a memory prune: the baseline must still run
+                self._smaller_baseline(role, config)
         elif duplicate is not None:
             trial.set_user_attr(keys.DUPLICATE_OF, duplicate)
             self._prune(trial, config, f"duplicate of trial {duplicate}; its result is reused, no device run")

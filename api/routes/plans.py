@@ -1,0 +1,42 @@
+"""/v1/plans: rank every feasible config of a recipe by predicted throughput, with no device run
+(the same recipe body and checks as POST /v1/jobs; the plan is `tuner.perf.plan.make_plan`)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+
+from api.deps import ReadAuth, SettingsDep
+from api.errors import ApiError
+from api.routes.jobs import _RECIPE_BODY, RawBody, _check_recipe, _parse_body
+
+router = APIRouter(prefix="/v1/plans", tags=["plans"])
+
+
+@router.post(
+    "", openapi_extra=_RECIPE_BODY, responses={415: {"description": "The body is neither JSON nor YAML."}}
+)
+async def create_plan(
+    request: Request,
+    body: RawBody,
+    settings: SettingsDep,
+    _: ReadAuth,
+    devices: int | None = None,
+    top: int = 10,
+):
+    """Predicted tokens/s, step time, memory and a 90% interval for the best `top` configs of the
+    recipe on `devices` (default: the recipe's), from the device priors and every trial this
+    service measured on the same fingerprint. `extrapolated` says when it goes beyond them."""
+    recipe = _parse_body(body, request.headers.get("content-type", ""))
+    _check_recipe(recipe, settings)
+    from tuner.perf.plan import PlanError, make_plan
+
+    try:
+        plan = await run_in_threadpool(
+            make_plan, recipe, devices=devices, top=top, storage_url=settings.database_url
+        )
+    except PlanError as err:
+        raise ApiError(422, "cannot plan this recipe", [(err.field, str(err))]) from None
+    except ValueError as err:  # a device family the service's machine lacks
+        raise ApiError(422, "cannot plan this recipe", [("hardware.device", str(err))]) from None
+    return plan.to_dict()

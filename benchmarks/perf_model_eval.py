@@ -1,0 +1,115 @@
+"""How well the performance model predicts a measured table from a few of its configs.
+
+For each seed: fit the model (device-table priors + N measured configs drawn at random, one of
+each config's repeats) and predict every other config of the table. Reports, as medians over
+seeds: Spearman rank correlation of predicted and measured tokens/s, median |predicted/measured
+- 1|, and how often the measured value falls in the predicted 90% interval.
+
+    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny.csv --seeds 30 --train 5
+    python benchmarks/perf_model_eval.py TABLE.csv --train 5 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from make_table import read_table  # noqa: E402
+
+from tuner.config import KNOBS, Config  # noqa: E402
+from tuner.devices import describe  # noqa: E402
+from tuner.perf.observations import Observation  # noqa: E402
+from tuner.perf.predictor import Predictor  # noqa: E402
+from tuner.recipe import recipe_from_dict  # noqa: E402
+
+
+def table_observations(path: str) -> tuple[object, list[tuple[Observation, list[float]]]]:
+    """(recipe, [(observation with the mean tokens/s, every measured repeat)]) of a table."""
+    header, rows = read_table(path)
+    recipe = recipe_from_dict(json.loads(header["recipe"]))
+    out = []
+    for r in rows:
+        if r["status"] != "ok" or not r["tokens_per_s"]:
+            continue
+        config = Config.from_params({k: r[k] for k in KNOBS if r.get(k, "") != ""})
+        runs = [float(v) for v in r["tokens_per_s_runs"].split(";") if v]
+        obs = Observation(
+            recipe=recipe,
+            config=config,
+            status="ok",
+            tokens_per_s=float(r["tokens_per_s"]),
+            rel_sd=0.25 * float(r["step_time_spread"] or 0),
+            peak_mem_bytes=float(r["peak_mem_allocated_bytes"] or 0) or None,
+            estimated_peak_mem_bytes=float(r["estimated_peak_mem_bytes"] or 0) or None,
+        )
+        out.append((obs, runs))
+    return recipe, out
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra = np.argsort(np.argsort(a)).astype(float)
+    rb = np.argsort(np.argsort(b)).astype(float)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def evaluate(path: str, seeds: int, train: int) -> dict:
+    recipe, rows = table_observations(path)
+    device = describe("cpu")
+    predictor = Predictor(device)
+    configs = [o.config for o, _ in rows]
+    cached = predictor.features(recipe, configs)
+    truth = np.array([o.tokens_per_s for o, _ in rows])
+    per_seed = []
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        picked = rng.sample(range(len(rows)), train) if train else []
+        fitted = []
+        for i in picked:
+            obs, runs = rows[i]
+            fitted.append(Observation(**{**obs.__dict__, "tokens_per_s": rng.choice(runs)}))
+        predictor.fit(fitted)
+        p = predictor.predict(recipe, configs, cached)
+        rest = np.array([i for i in range(len(rows)) if i not in set(picked)])
+        pred, low, high, true = p.tokens_per_s[rest], p.tokens_low[rest], p.tokens_high[rest], truth[rest]
+        per_seed.append(
+            {
+                "spearman": spearman(pred, true),
+                "median_abs_error": float(np.median(np.abs(pred / true - 1))),
+                "coverage_90": float(np.mean((true >= low) & (true <= high))),
+            }
+        )
+    out = {"table": Path(path).name, "seeds": seeds, "train": train, "configs": len(rows)}
+    for k in per_seed[0]:
+        out[k] = round(statistics.median(s[k] for s in per_seed), 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("table", help="CSV written by benchmarks/make_table.py")
+    ap.add_argument("--seeds", type=int, default=30)
+    ap.add_argument("--train", type=int, default=5, help="measured configs the model is fitted to")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    result = evaluate(args.table, args.seeds, args.train)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"{result['table']}: fitted to {args.train} of {result['configs']} configs, median over "
+            f"{args.seeds} seeds: Spearman {result['spearman']:.2f}, median |error| "
+            f"{result['median_abs_error']:.1%}, 90% interval coverage {result['coverage_90']:.0%}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The performance model (tuner.perf): the fit recovers known coefficients and its intervals cover
+held-back measurements; the model sampler proposes only feasible, unpruned, untried configs and
+resumes after kill -9; `tuner plan` works on an empty database and gets better after a study.
+
+The synthetic device below answers each trial from the model itself at chosen "true"
+coefficients plus noise: a world where the model is right, so a test can say what the fit must
+find. The real-device check is the kill -9 test (slow) and the replay benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import optuna
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from optuna.trial import TrialState
+
+from tuner.config import Config, infeasible_reasons
+from tuner.devices import describe
+from tuner.executors.base import Executor
+from tuner.perf.fitting import fit
+from tuner.perf.model import COEF_NAMES, features, predict_log, prior
+from tuner.perf.plan import make_plan
+from tuner.perf.priors import DevicePriors
+from tuner.perf.workload import step_work
+from tuner.recipe import recipe_from_dict
+from tuner.record import keys
+from tuner.result import TrialResult, TrialSpec
+from tuner.space import load_space
+from tuner.study import run_study
+
+CPU = dataclasses.replace(describe("cpu"), count=2, fast_dtypes=())
+# Fixed priors: no matmul is measured, so the tests do not depend on this machine's speed.
+PRIORS = DevicePriors(
+    family="cpu", efficiency=0.75, half_tokens=32.0, peak_flops={"fp32": 4e10, "bf16": 4e10, "fp16": 4e10},
+    bandwidth=2e9, latency=1e-3, host_unit_s=2e-4, node_devices=1 << 30, cross_node_share=1.0, cores=2,
+)  # fmt: skip
+
+OVERRIDES = {
+    "micro_batch_size": [1, 2, 4, 8, 16], "recompute": ["none", "selective", "full"], "amp": ["O0", "O1", "O2"],
+    "attention": ["math", "flash"], "optimizer_impl": ["foreach"], "compile": ["none"], "dp_shard": ["ddp"],
+    "bucket_mb": [25], "grad_compression": ["none"], "pp_schedule": ["1f1b"], "loader_workers": [0],
+    "cpu_affinity": ["none"],
+}  # fmt: skip
+
+
+def tiny(budget_gb: float | None = None, **search) -> dict:
+    return {
+        "name": "perf-tiny",
+        "model": {"family": "gpt", "layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 2048},
+        "train": {"global_batch_size": 16},
+        "hardware": {"device": "cpu", "devices": 2, "memory_budget_gb": budget_gb},
+        "search": {"space": "cpu", "overrides": OVERRIDES, **search},
+        "measure": {"warmup_steps": 1, "steps": 2},
+    }
+
+
+def true_theta() -> np.ndarray:
+    """The synthetic device: slower matmuls, slower messages, faster autocast, slower flash."""
+    theta, _ = prior(PRIORS)
+    shift = {
+        "log_efficiency": -0.5,
+        "log_latency": 1.0,
+        "amp_O1": 0.4,
+        "amp_O2": 0.5,
+        "x:attention=flash": 0.15,
+    }
+    for name, delta in shift.items():
+        theta[COEF_NAMES.index(name)] += delta
+    return theta
+
+
+def true_tokens_per_s(recipe, configs: list[Config]) -> np.ndarray:
+    works = [step_work(recipe, c, CPU) for c in configs]
+    step = np.exp(predict_log(true_theta(), features(works, configs, PRIORS)))
+    return np.array([w.tokens for w in works]) / step
+
+
+def space_configs(recipe) -> list[Config]:
+    space = load_space("cpu").narrow(recipe.search.overrides)
+    return list(space.configs(recipe, CPU))
+
+
+def test_fit_recovers_known_coefficients_and_its_interval_covers_held_back_points():
+    recipe = recipe_from_dict(tiny())
+    configs = space_configs(recipe)
+    rng = np.random.default_rng(0)
+    works = [step_work(recipe, c, CPU) for c in configs]
+    f = features(works, configs, PRIORS)
+    noise = 0.04
+    y = predict_log(true_theta(), f) + rng.normal(0, noise, len(configs))
+    order = rng.permutation(len(configs))
+    train, held = order[:150], order[150:]
+    fitted = fit(f.take(train), y[train], np.full(len(train), 0.01), PRIORS)
+    got, want = fitted.coefficients(), dict(zip(COEF_NAMES, true_theta(), strict=True))
+    for name in ("log_efficiency", "log_latency", "amp_O1", "amp_O2", "x:attention=flash"):
+        assert got[name] == pytest.approx(want[name], abs=0.15), name
+    assert 0.02 < fitted.sigma < 0.07  # the misfit it reports is the noise it was given
+    p = fitted.predict(f.take(held))
+    low, high = p.mean - 1.645 * p.sd, p.mean + 1.645 * p.sd
+    coverage = float(np.mean((y[held] >= low) & (y[held] <= high)))
+    assert 0.8 <= coverage <= 0.99, f"90% interval covered {coverage:.0%} of held-back points"
+
+
+class SyntheticExecutor(Executor):
+    """Answers every trial from the true coefficients (+3% noise); over-budget configs OOM."""
+
+    name = "synthetic"
+
+    def __init__(self, recipe, seed: int = 0):
+        self.recipe = recipe
+        self.rng = random.Random(seed)
+        self.ran: list[Config] = []
+        self._done: list[TrialResult] = []
+
+    def free_slots(self, spec: TrialSpec) -> int:
+        return 0 if self._done else 1
+
+    def submit(self, spec: TrialSpec) -> None:
+        config = Config(**spec.config)
+        self.ran.append(config)
+        work = step_work(self.recipe, config, CPU)
+        peak = int(work.peak_mem_bytes * 1.1)
+        if spec.memory_budget_bytes and peak > spec.memory_budget_bytes:
+            res = TrialResult(status="oom", error="over budget", wall_s=1.0, tag=spec.tag)
+        else:
+            tps = float(true_tokens_per_s(self.recipe, [config])[0]) * math.exp(self.rng.gauss(0, 0.03))
+            res = TrialResult(
+                status="ok", tokens_per_s=tps, step_time_s=work.tokens / tps, step_time_spread=0.05,
+                peak_mem_allocated_bytes=peak, peak_mem_reserved_bytes=peak, loss=5.0, losses=[5.0, 5.0],
+                wall_s=2.0, tag=spec.tag,
+            )  # fmt: skip
+        self._done.append(res)
+
+    def wait(self, timeout: float | None = None) -> list[TrialResult]:
+        done, self._done = self._done, []
+        return done
+
+    def running(self) -> list[str]:
+        return [r.tag for r in self._done]
+
+    def cancel(self) -> None:
+        self._done = []
+
+
+def _study(recipe, url: str, tmp_path, trials: int, sampler: str = "model") -> SyntheticExecutor:
+    ex = SyntheticExecutor(recipe)
+    run_study(
+        recipe, storage_url=url, executor=ex, trials=trials, sampler=sampler, seed=0, remeasure_top=0,
+        workdir=tmp_path, progress=lambda e: None,
+    )  # fmt: skip
+    return ex
+
+
+@pytest.fixture
+def priors(monkeypatch):
+    """Every Predictor in this test starts from the fixed priors (no matmul measured)."""
+    import tuner.perf.plan
+    import tuner.perf.predictor
+
+    monkeypatch.setattr(tuner.perf.predictor, "device_priors", lambda device: PRIORS)
+    monkeypatch.setattr(tuner.perf.plan, "device_priors", lambda device: PRIORS)
+
+
+def test_model_sampler_runs_only_feasible_unpruned_untried_configs(tmp_path, priors):
+    doc = tiny(budget_gb=0.16)
+    doc["search"]["overrides"] = {
+        **OVERRIDES,
+        "micro_batch_size": [1, 2, 4, 8],
+        "recompute": ["none", "full"],
+    }
+    recipe = recipe_from_dict(doc)
+    url = f"sqlite:///{tmp_path}/t.db"
+    ex = _study(recipe, url, tmp_path, trials=12)
+    keys_run = [c.key() for c in ex.ran]
+    assert len(keys_run) == len(set(keys_run)), "a config was run twice"
+    assert all(not infeasible_reasons(c, recipe, CPU) for c in ex.ran)
+    study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
+    by_model = [t for t in study.trials if t.user_attrs.get(keys.CHOSEN_BY) == keys.CHOSEN_BY_MODEL]
+    assert len(by_model) >= 8
+    # What the model chose was never pruned by the driver: it judges feasibility the same way.
+    assert all(t.state != TrialState.PRUNED for t in by_model)
+    for t in by_model:
+        low, high = t.user_attrs[keys.PREDICTED_INTERVAL]
+        assert low <= t.user_attrs[keys.PREDICTED_TOKENS_PER_S] <= high
+    best = max(true_tokens_per_s(recipe, space_configs(recipe)))
+    found = max(t.value for t in study.trials if t.state == TrialState.COMPLETE)
+    assert found >= 0.9 * best
+
+
+def _median_error(plan, recipe, measured_keys: set[str]) -> float:
+    rows = [r for r in plan.rows if Config.from_params(r.config).key() not in measured_keys]
+    truth = true_tokens_per_s(recipe, [Config.from_params(r.config) for r in rows])
+    return float(np.median([abs(r.tokens_per_s / t - 1) for r, t in zip(rows, truth, strict=True)]))
+
+
+def test_plan_from_priors_on_an_empty_database_then_better_after_a_study(tmp_path, priors):
+    recipe = recipe_from_dict(tiny())
+    url = f"sqlite:///{tmp_path}/t.db"
+    before = make_plan(recipe, top=1000, storage_url=url, device=CPU)
+    assert before.observations == 0 and not before.extrapolated
+    assert "priors only" in before.basis and len(before.rows) == before.considered > 100
+    ex = _study(recipe, url, tmp_path, trials=10, sampler="random")
+    after = make_plan(recipe, top=1000, storage_url=url, device=CPU)
+    assert after.observations == len(ex.ran) >= 8
+    measured = {c.key() for c in ex.ran}
+    assert sum(r.measured_tokens_per_s is not None for r in after.rows) == len(measured)
+    err_before, err_after = _median_error(before, recipe, measured), _median_error(after, recipe, measured)
+    assert err_after < 0.5 * err_before, (err_before, err_after)
+    wider = make_plan(recipe, devices=4, top=5, storage_url=url, device=CPU)
+    assert wider.extrapolated and "beyond this machine's 2" in wider.basis
+    assert all(Config.from_params(r.config).world_size == 4 for r in wider.rows)
+
+
+def test_tuner_plan_cli_json_and_bad_input(tmp_path):
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(tiny()))
+    url = f"sqlite:///{tmp_path}/t.db"
+    base = [sys.executable, "-m", "tuner.cli.main", "plan", "r.yaml", "--storage", url]
+    ok = subprocess.run(
+        [*base, "--top", "3", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert ok.returncode == 0, ok.stderr
+    plan = json.loads(ok.stdout)
+    assert len(plan["rows"]) == 3 and plan["observations"] == 0
+    assert [r["rank"] for r in plan["rows"]] == [1, 2, 3]
+    assert plan["rows"][0]["tokens_per_s"] >= 0.99 * plan["rows"][2]["tokens_per_s"]  # 1%: a tie
+    bad = subprocess.run([*base, "--devices", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "devices:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_rest_plan_same_recipe_body_and_422_on_bad_input(tmp_path, priors):
+    from api import Settings, create_app
+    from api.auth import create_token
+    from tuner.db import session_scope
+
+    url = f"sqlite:///{tmp_path}/t.db"
+    app = create_app(Settings(database_url=url, max_trials=50, max_timeout_min=60, max_body_bytes=65536))
+    with TestClient(app) as client:
+        with session_scope(url) as s:
+            client.headers["Authorization"] = f"Bearer {create_token(s, 'tester')}"
+        r = client.post("/v1/plans?top=2", json=tiny())
+        assert r.status_code == 200, r.text
+        assert len(r.json()["rows"]) == 2 and r.json()["devices"] == 2
+        r = client.post(
+            "/v1/plans", content=yaml.safe_dump(tiny()), headers={"content-type": "application/yaml"}
+        )
+        assert r.status_code == 200
+        doc = tiny()
+        doc["model"]["layers"] = "four"
+        r = client.post("/v1/plans", json=doc)
+        assert r.status_code == 422 and "model.layers" in r.text
+        r = client.post("/v1/plans?devices=0", json=tiny())
+        assert r.status_code == 422 and "devices" in r.text
+
+
+def _complete_and_running(path) -> bool:
+    """Read with sqlite3 itself: opening Optuna's storage would race the CLI creating its tables."""
+    if not path.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=1)) as db:
+            states = [s for (s,) in db.execute("SELECT state FROM trials")]
+            owned = db.execute(
+                "SELECT count(*) FROM trials t JOIN trial_system_attributes a ON a.trial_id = t.trial_id "
+                "WHERE t.state = 'RUNNING' AND a.key = ?",
+                (keys.OWNER,),
+            ).fetchone()[0]
+    except sqlite3.Error:  # not created yet, or locked for a moment
+        return False
+    return "COMPLETE" in states and owned > 0
+
+
+@pytest.mark.slow
+def test_a_model_sampler_study_resumes_after_kill_9(tmp_path):
+    doc = tiny()
+    doc["name"] = "perf-killed"
+    doc["hardware"]["devices"] = 1
+    doc["model"] = {"family": "gpt", "layers": 2, "hidden": 64, "heads": 2, "seq_len": 64, "vocab": 512}
+    doc["search"] = {"space": "cpu", "sampler": "model", "overrides": {**OVERRIDES, "micro_batch_size": [1, 2, 4],
+                     "recompute": ["none"], "amp": ["O0"], "attention": ["math", "flash"]}}  # fmt: skip
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(doc))
+    url = f"sqlite:///{tmp_path}/t.db"
+    cmd = [sys.executable, "-m", "tuner.cli.main", "tune", "r.yaml", "--trials", "3", "--remeasure", "0",
+           "--storage", url, "--json"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # kill once a trial is complete and the next one is on the device
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the study never reached its second trial"
+            if _complete_and_running(tmp_path / "t.db"):
+                break
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    rerun = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    trials = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url).trials
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == 3
+    assert len({t.user_attrs[keys.CONFIG_KEY] for t in complete}) == 3, "a config was measured twice"
+    assert any(t.user_attrs.get(keys.DRIVER_DIED) for t in trials)
+    assert all(t.user_attrs.get(keys.CHOSEN_BY) for t in complete)
+    assert any(t.user_attrs.get(keys.CHOSEN_BY) == keys.CHOSEN_BY_MODEL for t in complete)

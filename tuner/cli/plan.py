@@ -1,0 +1,75 @@
+"""`tuner plan`: rank every feasible config of a recipe by predicted throughput, spending no
+device time (the performance model, fitted to what the database measured on this machine)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from tuner.cli.common import fail, load_recipe_or_exit, storage_or_exit
+
+PLAN_HELP = """Rank every feasible config of RECIPE by predicted tokens/s, without running any.
+
+The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to every trial measured on this machine's fingerprint in the database, or the device table's priors when there are none. Each row has a 90% interval and the chance it fits the memory budget. With --devices beyond this machine, the plan extrapolates and says so.
+
+\b
+Examples:
+  tuner plan recipes/gpt-tiny.yaml
+  tuner plan recipes/gpt-tiny.yaml --top 5 --json
+  tuner plan recipes/gpt-tiny.yaml --devices 4 --storage sqlite:///tuner.db
+
+Exit status: 0 with a plan, 2 on bad input.
+"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan", help=PLAN_HELP, no_args_is_help=True)(plan)
+
+
+def _print(result) -> None:
+    from tuner.cli.tune import short_config
+
+    note = "a PREDICTION beyond what was measured; " if result.extrapolated else ""
+    typer.echo(
+        f"{result.recipe} on {result.devices} devices: {result.considered} feasible configs ranked; "
+        f"{note}{result.basis}"
+    )
+    for r in result.rows:
+        low, high = r.tokens_per_s_interval
+        measured = "" if r.measured_tokens_per_s is None else f"  measured {r.measured_tokens_per_s:,.0f}"
+        typer.echo(
+            f"{r.rank:>3}. {r.tokens_per_s:>10,.0f} tokens/s (90%: {low:,.0f}-{high:,.0f})  "
+            f"step {r.step_time_s:.4f} s  est. peak {r.estimated_peak_mem_bytes / 2**20:,.0f} MiB  "
+            f"P(fit) {r.p_fit:.2f}{measured}\n     {short_config(r.config)}"
+        )
+
+
+def plan(
+    recipe_path: str = typer.Argument(..., metavar="RECIPE", help="Recipe file (YAML or JSON)."),
+    devices: int | None = typer.Option(
+        None, "--devices", metavar="N", help="Plan for N devices (default: hardware.devices)."
+    ),
+    top: int = typer.Option(10, "--top", metavar="K", help="List the K best configs."),
+    storage: str | None = typer.Option(
+        None,
+        "--storage",
+        metavar="URL",
+        help="Database with measured trials (default: $TUNER_DATABASE_URL or sqlite:///tuner.db).",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+) -> None:
+    recipe = load_recipe_or_exit(recipe_path)
+    url = storage_or_exit(storage)
+    from tuner.perf.plan import PlanError, make_plan
+
+    try:
+        result = make_plan(recipe, devices=devices, top=top, storage_url=url)
+    except PlanError as err:
+        fail(str(err))
+    except ValueError as err:  # a device family this machine lacks
+        fail(f"hardware.device: {err}")
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+    else:
+        _print(result)

@@ -1,0 +1,67 @@
+"""The configs the model ranks: every feasible config of the space when there are at most
+`LIMIT`, else a seeded sample of them plus every one-knob neighbour of the best measured ones."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterable
+
+from tuner.config import Config, infeasible_reasons
+from tuner.devices import DeviceInfo
+from tuner.recipe import Recipe
+from tuner.space import SearchSpace
+
+LIMIT = 4000
+
+
+def _random_config(space: SearchSpace, devices: int, rng: random.Random) -> Config:
+    dp, tp, pp = rng.choice(space.splits(devices))
+    values = {"dp": dp, "tp": tp, "pp": pp}
+    for name, domain in space.domains.items():
+        if name not in values:
+            values[name] = rng.choice(domain) if domain else getattr(Config(), name)
+    return Config(**values).normalized()
+
+
+def neighbours(space: SearchSpace, config: Config, devices: int) -> Iterable[Config]:
+    """Configs that differ from `config` in one knob (the split counts as one knob)."""
+    base = config.to_dict()
+    for dp, tp, pp in space.splits(devices):
+        yield Config(**{**base, "dp": dp, "tp": tp, "pp": pp}).normalized()
+    for name, domain in space.domains.items():
+        if name in ("dp", "tp", "pp") or not domain:
+            continue
+        for value in domain:
+            if value != base[name]:
+                yield Config(**{**base, name: value}).normalized()
+
+
+def candidates(
+    space: SearchSpace,
+    recipe: Recipe,
+    device: DeviceInfo,
+    *,
+    seed: int = 0,
+    around: Iterable[Config] = (),
+    limit: int = LIMIT,
+) -> list[Config]:
+    """Feasible configs of the space (all of them, or a sample and the neighbours of `around`)."""
+    devices = recipe.hardware.devices
+    every = list(itertools.islice(space.configs(recipe, device), limit + 1))
+    if len(every) <= limit:
+        return every
+    rng = random.Random(seed)
+    seen: dict[str, Config] = {}
+    pool = itertools.chain(
+        (n for c in around for n in neighbours(space, c, devices)),
+        (_random_config(space, devices, rng) for _ in range(limit * 3)),
+    )
+    for config in pool:
+        key = config.key()
+        if key in seen or not space.contains(config, devices) or infeasible_reasons(config, recipe, device):
+            continue
+        seen[key] = config
+        if len(seen) >= limit:
+            break
+    return list(seen.values())

@@ -1,0 +1,82 @@
+"""The chance that a config fits the memory budget: the estimator's prediction times a ratio
+(measured over estimated peak) fitted to this study's trials by a small ridge regression on the
+knobs the ratio depends on (micro-batch, AMP level, recompute, the split), and its uncertainty."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from tuner.config import Config
+from tuner.perf.observations import Observation
+from tuner.record.status import OK, OOM
+
+RATIO_PRIOR_SD = 0.15  # log ratio before anything was measured: the estimator's stated error
+RIDGE = 4.0  # prior precision of each knob's effect on the ratio (log units)
+OOM_EDGE = 0.05  # how far over the edge an out-of-memory trial is placed (log units)
+
+
+def _budget(o: Observation) -> float | None:
+    gb = o.recipe.hardware.memory_budget_gb
+    return gb * 2**30 if gb else None
+
+
+def _row(c: Config) -> list[float]:
+    return [
+        1.0,
+        math.log2(c.micro_batch_size),
+        c.amp == "O1",
+        c.amp == "O2",
+        c.recompute == "selective",
+        c.recompute == "full",
+        c.tp > 1,
+        c.pp > 1,
+        c.attention != "math",
+        c.dp > 1 and c.dp_shard == "fsdp",
+        c.compile != "none",
+    ]
+
+
+class MemoryModel:
+    """log(measured / estimated peak) ~ N(x . beta, s^2), fitted with a ridge prior."""
+
+    def __init__(self, observations: Sequence[Observation] = ()):
+        pairs = [
+            (o.config, math.log(o.peak_mem_bytes / o.estimated_peak_mem_bytes))
+            for o in observations
+            if o.status == OK and o.peak_mem_bytes and o.estimated_peak_mem_bytes and o.peak_mem_bytes > 0
+        ]
+        # A trial that ran out of memory says its ratio was above budget / estimate; it enters as
+        # a point just over that edge (its own peak, when reported, is only a lower bound).
+        pairs += [
+            (o.config, math.log(limit / o.estimated_peak_mem_bytes) + OOM_EDGE)
+            for o in observations
+            if o.status == OOM and o.estimated_peak_mem_bytes and (limit := _budget(o))
+        ]
+        p = len(_row(Config()))
+        precision = np.eye(p) * RIDGE
+        precision[0, 0] = 1.0 / RATIO_PRIOR_SD**2
+        x = np.array([_row(c) for c, _ in pairs], dtype=float).reshape(len(pairs), p)
+        y = np.array([r for _, r in pairs])
+        a = x.T @ x + precision * RATIO_PRIOR_SD**2  # in units of the misfit variance
+        self.beta = np.linalg.solve(a, x.T @ y) if pairs else np.zeros(p)
+        resid = y - x @ self.beta if pairs else np.zeros(0)
+        # The misfit, shrunk towards the prior with three pseudo-points.
+        self.sd = math.sqrt((float(resid @ resid) + 3 * RATIO_PRIOR_SD**2) / (len(pairs) + 3))
+        self.cov = np.linalg.inv(a) * self.sd**2
+        self.n = len(pairs)
+
+    def log_ratio(self, configs: Sequence[Config]) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, sd) of the log ratio per config, the sd covering a new trial's scatter."""
+        x = np.array([_row(c) for c in configs], dtype=float).reshape(len(configs), len(self.beta))
+        var = np.einsum("ij,jk,ik->i", x, self.cov, x) + self.sd**2
+        return x @ self.beta, np.sqrt(var)
+
+    def p_fit(self, configs: Sequence[Config], estimates: Sequence[float], budget: float) -> np.ndarray:
+        """Probability that each config's measured peak stays within `budget` bytes."""
+        mean, sd = self.log_ratio(configs)
+        est = np.maximum(np.asarray(estimates, dtype=float), 1.0)
+        z = (math.log(budget) - np.log(est) - mean) / sd
+        return 0.5 * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))

@@ -1,0 +1,167 @@
+"""The step-time model: compute over the device's peak at a fitted efficiency, exposed
+communication over a fitted link, pipeline bubble, recompute's extra forward, host work per unit,
+times learned multipliers for what no formula sees (compile, loader workers, affinity, the
+attention kernel). `features` turns configs into arrays; `predict_log` is log step time."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tuner.config import Config
+from tuner.perf.priors import DevicePriors
+from tuner.perf.workload import StepWork
+
+
+@dataclass(frozen=True)
+class Coef:
+    name: str
+    prior_sd: float  # of the coefficient (log units, or logit for the overlap)
+
+
+# The physical coefficients, in this order; prior means come from `DevicePriors`.
+PHYSICAL = (
+    Coef("log_efficiency", 0.8),  # share of the dtype's peak a large matmul reaches
+    Coef("log_half_tokens", 1.5),  # tokens per micro-batch and rank at which it reaches half that
+    Coef("log_bandwidth", 1.0),
+    Coef("log_latency", 1.2),
+    Coef("overlap_logit", 1.5),  # share of DDP/FSDP traffic hidden behind backward
+    Coef("log_host_unit", 1.2),
+    Coef("amp_O1", 0.6),  # compute speed of autocast relative to what the dtype's peak implies
+    Coef("amp_O2", 0.6),
+)
+
+# Learned log multipliers of the whole step for knob values no formula covers, each against the
+# plain default (math attention, no compile, foreach, ...). Prior mean 0: no effect until measured.
+MULTIPLIERS: tuple[tuple[str, object], ...] = (
+    ("attention", "flash"),
+    ("attention", "efficient"),
+    ("attention", "cudnn"),
+    ("attention", "npu_fusion"),
+    ("compile", "default"),
+    ("compile", "max-autotune"),
+    ("compile", "reduce-overhead"),
+    ("optimizer_impl", "for_loop"),
+    ("optimizer_impl", "fused"),
+    ("cpu_affinity", "per_rank"),
+    ("loader_workers", "any"),
+    ("pin_memory", True),
+    ("offload", True),
+    ("grad_compression", "fp16"),
+    ("grad_compression", "bf16"),
+    ("grad_compression", "powersgd"),
+    ("pp_schedule", "gpipe"),
+    ("dp_shard", "fsdp"),
+)
+MULTIPLIER_SD = 0.35
+# Prior means that are not 0: a DDP communication hook adds kernels on every bucket (casts, or
+# PowerSGD's low-rank matmuls), which a traffic-only formula would otherwise count as free.
+MULTIPLIER_PRIOR = {
+    ("grad_compression", "fp16"): 0.03,
+    ("grad_compression", "bf16"): 0.03,
+    ("grad_compression", "powersgd"): 0.08,
+}
+
+COEF_NAMES = tuple(c.name for c in PHYSICAL) + tuple(f"x:{k}={v}" for k, v in MULTIPLIERS)
+
+
+def prior(priors: DevicePriors) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, sd) of every coefficient, in `COEF_NAMES` order."""
+    mean = [
+        math.log(priors.efficiency),
+        math.log(priors.half_tokens),
+        math.log(priors.bandwidth),
+        math.log(priors.latency),
+        0.0,
+        math.log(priors.host_unit_s),
+        0.0,
+        0.0,
+    ]
+    sd = [c.prior_sd for c in PHYSICAL]
+    mean += [MULTIPLIER_PRIOR.get(m, 0.0) for m in MULTIPLIERS]
+    sd += [MULTIPLIER_SD] * len(MULTIPLIERS)
+    return np.array(mean), np.array(sd)
+
+
+def _active(config: Config, knob: str, value: object) -> bool:
+    c = config.normalized()
+    if knob == "loader_workers":
+        return c.loader_workers > 0
+    if knob == "pp_schedule":
+        return c.pp > 1 and c.pp_schedule == value
+    if knob == "dp_shard":
+        return c.dp > 1 and c.dp_shard == value
+    return getattr(c, knob) == value
+
+
+def _dtype(config: Config) -> str:
+    if config.amp == "O0":
+        return "tf32" if config.tf32 else "fp32"
+    return config.amp_dtype
+
+
+@dataclass(frozen=True)
+class Features:
+    """The model's inputs for a batch of configs, one row each."""
+
+    cols: dict[str, np.ndarray]
+    multipliers: np.ndarray  # rows x len(MULTIPLIERS), 0/1
+
+    def __len__(self) -> int:
+        return len(self.cols["n_micro"])
+
+    def take(self, index: Sequence[int] | np.ndarray) -> Features:
+        idx = np.asarray(index, dtype=int)
+        return Features({k: v[idx] for k, v in self.cols.items()}, self.multipliers[idx])
+
+    @staticmethod
+    def concat(parts: Sequence[Features]) -> Features:
+        cols = {k: np.concatenate([p.cols[k] for p in parts]) for k in parts[0].cols}
+        return Features(cols, np.concatenate([p.multipliers for p in parts]))
+
+
+def features(works: Sequence[StepWork], configs: Sequence[Config], priors: DevicePriors) -> Features:
+    def col(values) -> np.ndarray:
+        return np.array(list(values), dtype=float)
+
+    cols = {
+        "tokens": col(w.tokens for w in works),
+        "n_micro": col(w.microbatches for w in works),
+        "micro_tokens": col(w.micro_tokens for w in works),
+        "flops_micro": col(w.flops_micro for w in works),
+        "peak": col(priors.peak(_dtype(c), c.world_size) for c in configs),
+        "units": col(w.units_micro for w in works),
+        "tp_msgs": col(w.tp_messages_micro for w in works),
+        "tp_bytes": col(w.tp_bytes_micro for w in works),
+        "pp_msgs": col(w.pp_messages for w in works),
+        "pp_bytes": col(w.pp_bytes for w in works),
+        "dp_msgs": col(w.dp_messages for w in works),
+        "dp_bytes": col(w.dp_bytes for w in works),
+        "bubble": col(w.bubble_factor for w in works),
+        "oversub": col(priors.oversubscription(w.ranks) for w in works),
+        # A data-parallel group larger than a node crosses nodes: its link is the slower one.
+        "dp_link": col(priors.cross_node_share if w.ranks > priors.node_devices else 1.0 for w in works),
+        "amp_O1": col(c.amp == "O1" for c in configs),
+        "amp_O2": col(c.amp == "O2" for c in configs),
+    }
+    mult = np.array([[_active(c, k, v) for k, v in MULTIPLIERS] for c in configs], dtype=float)
+    return Features(cols, mult.reshape(len(configs), len(MULTIPLIERS)))
+
+
+def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
+    """Log step time (s) of every row under coefficients `theta` (COEF_NAMES order)."""
+    c = f.cols
+    eff, half, bw, lat, overlap, host, o1, o2 = theta[: len(PHYSICAL)]
+    speed = c["peak"] * np.exp(eff + o1 * c["amp_O1"] + o2 * c["amp_O2"])
+    speed = speed * c["micro_tokens"] / (c["micro_tokens"] + math.exp(half))
+    per_micro = (c["flops_micro"] / speed + c["units"] * math.exp(host)) * c["oversub"]
+    per_micro = per_micro + c["tp_msgs"] * math.exp(lat) + c["tp_bytes"] / math.exp(bw)
+    pipeline = (
+        c["n_micro"] * per_micro * c["bubble"] + c["pp_msgs"] * math.exp(lat) + c["pp_bytes"] / math.exp(bw)
+    )
+    hidden = 1.0 / (1.0 + math.exp(-overlap))
+    data = (c["dp_msgs"] * math.exp(lat) + c["dp_bytes"] / (math.exp(bw) * c["dp_link"])) * (1 - hidden)
+    return np.log(pipeline + data) + f.multipliers @ theta[len(PHYSICAL) :]

@@ -1,0 +1,111 @@
+"""Measured trials as the performance model's data: one `Observation` per trial that ran (ok or
+out of memory), read from a study or from every study on the same fingerprint, each weighed by
+how tightly its step time was measured."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tuner.config import Config, ConfigError
+from tuner.recipe import Recipe, RecipeError, recipe_from_dict
+from tuner.record import keys
+from tuner.record.status import OK, OOM
+from tuner.space import config_from_params
+
+# `step_time_ci` (issue 16) once the trial record defines it; until then the spread.
+_CI_KEY = getattr(keys, "STEP_TIME_CI", None)
+_SPREAD_TO_SD = 0.25  # max-min over a handful of steps spans about four sd of the median
+
+
+@dataclass(frozen=True)
+class Observation:
+    recipe: Recipe
+    config: Config
+    status: str  # ok or oom
+    tokens_per_s: float | None
+    rel_sd: float  # relative sd of the measured step time
+    peak_mem_bytes: float | None
+    estimated_peak_mem_bytes: float | None
+
+    @property
+    def step_time_s(self) -> float:
+        """Global tokens per step over tokens/s: the step the throughput was measured from."""
+        tokens = self.recipe.train.global_batch_size * self.recipe.model.seq_len
+        return tokens / float(self.tokens_per_s or math.nan)
+
+
+def relative_sd(attrs: dict[str, Any]) -> float:
+    """The measurement's relative sd: from the 90% interval of the median step time when the
+    trial has one, else from the spread of its measured steps."""
+    step = attrs.get(keys.STEP_TIME_S)
+    ci = attrs.get(_CI_KEY) if _CI_KEY else None
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and step:
+        return max(0.0, (float(ci[1]) - float(ci[0])) / (2 * 1.645 * float(step)))
+    if isinstance(ci, (int, float)) and ci >= 0:
+        return float(ci) / 1.645  # a relative half-width
+    spread = attrs.get(keys.STEP_TIME_SPREAD)
+    return _SPREAD_TO_SD * float(spread) if isinstance(spread, (int, float)) else 0.05
+
+
+def observation(recipe: Recipe, params: dict[str, Any], attrs: dict[str, Any]) -> Observation | None:
+    """The trial's observation, or None when it holds nothing to learn from (never ran,
+    duplicate, cancelled, unreadable)."""
+    status = attrs.get(keys.STATUS)
+    if status not in (OK, OOM) or attrs.get(keys.DUPLICATE_OF) is not None:
+        return None
+    try:
+        config = config_from_params(params)
+    except (ConfigError, ValueError, TypeError):
+        return None
+    tps = attrs.get(keys.TOKENS_PER_S)
+    if status == OK and not (isinstance(tps, (int, float)) and tps > 0 and math.isfinite(tps)):
+        return None
+    peak = attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES)
+    return Observation(
+        recipe=recipe,
+        config=config,
+        status=status,
+        tokens_per_s=float(tps) if status == OK else None,
+        rel_sd=relative_sd(attrs),
+        peak_mem_bytes=float(peak) if peak else None,
+        estimated_peak_mem_bytes=attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES),
+    )
+
+
+def study_observations(recipe: Recipe, trials: list[Any]) -> list[Observation]:
+    """Observations of Optuna FrozenTrials of one study of `recipe`."""
+    out = []
+    for t in trials:
+        if not t.state.is_finished():
+            continue
+        obs = observation(recipe, t.params, t.user_attrs)
+        if obs is not None:
+            out.append(obs)
+    return out
+
+
+def fingerprint_observations(url: str, fingerprint_hash: str) -> list[Observation]:
+    """Every measured trial of every study on this fingerprint, any recipe: the model's
+    coefficients describe the device, so a different model's trials still teach it."""
+    import optuna
+
+    from tuner.db import session_scope
+    from tuner.record.reader import study_attrs_of_all
+    from tuner.storage import get_storage
+
+    storage = get_storage(url)  # creates Optuna's tables in a new database: then no studies
+    with session_scope(url) as session:
+        studies = study_attrs_of_all(session, (keys.RECIPE, keys.FINGERPRINT_HASH))
+    out: list[Observation] = []
+    for name, attrs in sorted(studies.items()):
+        if attrs.get(keys.FINGERPRINT_HASH) != fingerprint_hash:
+            continue
+        try:
+            recipe = recipe_from_dict(attrs.get(keys.RECIPE) or {})
+        except (RecipeError, ValueError, TypeError):
+            continue  # a study written by another version
+        study = optuna.load_study(study_name=name, storage=storage)
+        out.extend(study_observations(recipe, study.get_trials(deepcopy=False)))
+    return out

@@ -1,0 +1,174 @@
+"""`make_plan`: rank every feasible config of a recipe by predicted tokens/s without running one,
+from the device table's priors and whatever the database measured on this fingerprint, also for
+more devices than this machine has (then every number is an extrapolation, and says so)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tuner.baseline import baseline_config
+from tuner.config import Config
+from tuner.devices import DeviceInfo, describe, resolve_family
+from tuner.perf.candidates import candidates
+from tuner.perf.observations import Observation, fingerprint_observations
+from tuner.perf.predictor import Predictor
+from tuner.perf.priors import DevicePriors, device_priors
+from tuner.prune import calibration_factor, verdict
+from tuner.recipe import Recipe
+from tuner.space import SpaceError, load_space
+
+MAX_DEVICES = 1 << 16
+MAX_TOP = 1000
+
+
+class PlanError(ValueError):
+    """Input a plan cannot be made for: `field` names what to fix."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    rank: int
+    config: dict[str, Any]  # the knobs that apply (as stored trial params name them)
+    tokens_per_s: float  # predicted
+    tokens_per_s_interval: tuple[float, float]  # 90%
+    step_time_s: float
+    estimated_peak_mem_bytes: int
+    p_fit: float  # chance it fits the memory budget
+    measured_tokens_per_s: float | None  # when this very config was measured on this fingerprint
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str
+    devices: int
+    machine_devices: int
+    extrapolated: bool  # more devices than any measured trial (or this machine) had
+    observations: int  # measured trials the model was fitted to
+    considered: int  # feasible configs ranked
+    basis: str  # one line: what the numbers rest on
+    rows: list[PlanRow]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _for_devices(recipe: Recipe, devices: int) -> Recipe:
+    hardware = recipe.hardware.model_copy(update={"devices": devices})
+    return recipe.model_copy(update={"hardware": hardware})
+
+
+def check_plan_input(recipe: Recipe, devices: int | None, top: int) -> None:
+    """The plan's own input rules, for the CLI and REST alike (raises PlanError)."""
+    if devices is not None and not 1 <= devices <= MAX_DEVICES:
+        raise PlanError("devices", f"give a device count from 1 to {MAX_DEVICES}, e.g. --devices 8")
+    if not 1 <= top <= MAX_TOP:
+        raise PlanError("top", f"give how many configs to list, from 1 to {MAX_TOP}, e.g. --top 10")
+
+
+def make_plan(
+    recipe: Recipe,
+    *,
+    devices: int | None = None,
+    top: int = 10,
+    storage_url: str | None = None,
+    device: DeviceInfo | None = None,
+    priors: DevicePriors | None = None,
+    observations: list[Observation] | None = None,
+) -> Plan:
+    """The plan for `recipe` on `devices` (default: the recipe's). Observations default to every
+    measured trial on this machine's fingerprint in `storage_url` (none without one)."""
+    check_plan_input(recipe, devices, top)
+    family = resolve_family(recipe.hardware.device)
+    device = device or describe(family)
+    n = devices or recipe.hardware.devices
+    try:
+        space = load_space(recipe.search.space or family).narrow(recipe.search.overrides)
+    except SpaceError as err:
+        raise PlanError("search.space", str(err)) from None
+    if not space.splits(n):
+        raise PlanError("devices", f"no dp*tp*pp split of the search space multiplies to {n}")
+    if observations is None:
+        observations = _stored(storage_url, family) if storage_url else []
+    target = _for_devices(recipe, n)
+    # Feasibility counts the devices asked for, not this machine's: a plan may go beyond it.
+    wide = dataclasses.replace(device, count=max(device.count, n))
+    predictor = Predictor(device, priors or device_priors(device)).fit(observations)
+    same = [o for o in observations if o.recipe.hash() == target.hash() and o.peak_mem_bytes]
+    calibration = calibration_factor([(o.peak_mem_bytes, o.estimated_peak_mem_bytes) for o in same])
+    best = sorted((o for o in same if o.tokens_per_s), key=lambda o: -(o.tokens_per_s or 0))[:3]
+    pool = [
+        c
+        # The baseline's neighbours are always ranked, even when the space is only sampled.
+        for c in candidates(
+            space, target, wide, around=[baseline_config(target, wide, space), *(o.config for o in best)]
+        )
+        if verdict(c, target, wide, calibration).reason is None
+    ]
+    rows = _rows(predictor, target, pool, same, top)
+    measured_ranks = max((o.config.world_size for o in observations), default=0)
+    extrapolated = n > device.count or bool(observations) and n > measured_ranks
+    return Plan(
+        recipe=recipe.name,
+        devices=n,
+        machine_devices=device.count,
+        extrapolated=extrapolated,
+        observations=len(observations),
+        considered=len(pool),
+        basis=_basis(observations, n, device, measured_ranks),
+        rows=rows,
+    )
+
+
+def _stored(url: str, family: str) -> list[Observation]:
+    from tuner.fingerprint import fingerprint, fingerprint_hash
+
+    return fingerprint_observations(url, fingerprint_hash(fingerprint(family)))
+
+
+def _rows(
+    predictor: Predictor, recipe: Recipe, pool: list[Config], same: list[Observation], top: int
+) -> list[PlanRow]:
+    if not pool:
+        return []
+    p = predictor.predict(recipe, pool)
+    # Rank by what a run is expected to deliver: a config that may not fit counts for less.
+    # Among equals (within 1%: knobs the model has no evidence on) the plainer config comes first.
+    plain = np.array(
+        [sum(1 for k, v in c.active_params().items() if v != getattr(Config(), k)) for c in pool]
+    )
+    value = np.round(np.log(p.tokens_per_s * np.minimum(1.0, p.p_fit / 0.5)) / 0.01)
+    order = np.lexsort((plain, -value))[:top]
+    measured = {o.config.key(): o.tokens_per_s for o in same if o.tokens_per_s}
+    return [
+        PlanRow(
+            rank=rank,
+            config=pool[i].active_params(),
+            tokens_per_s=round(float(p.tokens_per_s[i]), 1),
+            tokens_per_s_interval=(round(float(p.tokens_low[i]), 1), round(float(p.tokens_high[i]), 1)),
+            step_time_s=round(float(p.step_time_s[i]), 6),
+            estimated_peak_mem_bytes=int(p.estimated_peak_mem_bytes[i]),
+            p_fit=round(float(p.p_fit[i]), 3),
+            measured_tokens_per_s=measured.get(pool[i].key()),
+        )
+        for rank, i in enumerate(order, 1)
+    ]
+
+
+def _basis(observations: list[Observation], n: int, device: DeviceInfo, measured_ranks: int) -> str:
+    if not observations:
+        head = "device-table priors only (no measured trial on this machine's fingerprint)"
+    else:
+        head = f"fitted to {len(observations)} measured trials on this fingerprint (up to {measured_ranks} ranks)"
+    if n > device.count:
+        return f"{head}; a prediction for {n} devices, beyond this machine's {device.count}"
+    if observations and n > measured_ranks:
+        return f"{head}; a prediction for {n} ranks, more than any measured trial had"
+    return head

@@ -1,0 +1,70 @@
+"""Where the performance model starts before anything was measured: per device family, the peak
+FLOP/s of each dtype (the device table, or the measured matmul on CPUs and unknown devices), a
+link bandwidth and a latency per message, and a host cost per kernel-ish unit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tuner.devices import DeviceInfo, peak_tflops
+
+# (efficiency, half-efficiency tokens, bandwidth bytes/s, latency s per message, host s per unit,
+# cross-node share). cpu: the peak is a measured F.linear of the size class the models use, so
+# training matmuls reach most of it, and a few dozen rows per matmul already keep a core's vector
+# units busy (accelerators need thousands to fill their SMs or cubes); gloo over loopback on shared cores, with DTensor and autograd dispatch on the
+# same cores, costs about a millisecond a message. cuda/npu: datasheet peaks, of which training
+# reaches about half (published MFU 0.35-0.55); NVLink / HCCS inside a node, InfiniBand-class
+# (100-400 Gb/s) across nodes. Each is a prior: the fit moves it to what this machine measures.
+_PRIORS = {
+    "cpu": (0.75, 32.0, 2e9, 1e-3, 2e-4, 1.0),
+    "cuda": (0.45, 1024.0, 150e9, 2e-5, 6e-5, 0.15),
+    "npu": (0.45, 1024.0, 100e9, 3e-5, 8e-5, 0.15),
+}
+
+
+@dataclass(frozen=True)
+class DevicePriors:
+    """Prior means of the model's physical coefficients for one device family on one machine."""
+
+    family: str
+    efficiency: float  # share of the peak a large training matmul reaches
+    half_tokens: float  # tokens per micro-batch and rank at which matmuls reach half of that
+    # per dtype name (fp32, tf32, bf16, fp16): FLOP/s of one device (CPU: of one thread)
+    peak_flops: dict[str, float]
+    bandwidth: float  # bytes/s of one rank's link inside a node
+    latency: float  # s per collective or point-to-point message
+    host_unit_s: float  # s of host work per layer pass (dispatch, launches, autograd)
+    node_devices: int  # devices of one node: larger groups cross nodes
+    cross_node_share: float  # cross-node bandwidth as a share of the in-node one
+    cores: int = 0  # CPU: cores the ranks share (0: not a CPU)
+    spread: dict[str, float] = field(default_factory=dict)  # prior sd (log) per coefficient
+
+    def peak(self, dtype: str, ranks: int = 1) -> float:
+        """FLOP/s of one rank: a device, or on CPU its share of the cores (as the ranks set it)."""
+        one = self.peak_flops.get(dtype) or self.peak_flops["fp32"]
+        if self.family == "cpu" and self.cores > 0:
+            return one * max(1, self.cores // max(1, ranks))
+        return one
+
+    def oversubscription(self, ranks: int) -> float:
+        """How many ranks share one core's worth of compute (1 when each has its own)."""
+        if self.family != "cpu" or self.cores <= 0:
+            return 1.0
+        return max(1.0, ranks / self.cores)
+
+
+def device_priors(device: DeviceInfo) -> DevicePriors:
+    """Priors for `device` (on CPU, one thread's peak: ranks split the cores between them)."""
+    eff, half, bw, lat, host, cross = _PRIORS.get(device.family, _PRIORS["cuda"])
+    # The datasheet's peak, or one thread's measured matmul (cached per machine and torch). A
+    # low-precision dtype without native units (DeviceInfo.fast_dtypes) starts at the fp32 peak:
+    # its lone matmul measures an unfused conversion path that autocast's kernels do not take.
+    dtypes = ("fp32", *device.fast_dtypes, *(("tf32",) if device.supports_tf32 else ()))
+    peaks = {d: peak_tflops(device, d, 1) * 1e12 for d in dtypes}
+    for dtype in device.amp_dtypes:
+        peaks.setdefault(dtype, peaks["fp32"])
+    cores = device.count if device.family == "cpu" else 0
+    # One CPU machine holds every rank (ranks beyond its cores share them); on accelerators a
+    # group larger than this machine's devices crosses nodes.
+    node = device.count if device.family != "cpu" else 1 << 30
+    return DevicePriors(device.family, eff, half, peaks, bw, lat, host, node, cross, cores)

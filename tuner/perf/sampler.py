@@ -1,0 +1,210 @@
+"""`ModelSampler`: an Optuna sampler that measures next the untried feasible config with the best
+expected improvement in predicted tokens/s (times the chance it fits in memory, squared), refits
+the performance model after every finished trial, and hands the choice to TPE while the model's
+recent predictions miss by more than `MISS_LIMIT`. Each trial records who chose it and what the
+model predicted for it, so a study stays a plain Optuna study (readable by optuna-dashboard)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.trial import FrozenTrial, TrialState
+
+from tuner.config import Config, ConfigError
+from tuner.devices import DeviceInfo
+from tuner.perf.candidates import candidates
+from tuner.perf.model import Features
+from tuner.perf.observations import study_observations
+from tuner.perf.predictor import Predictor
+from tuner.perf.priors import DevicePriors
+from tuner.prune import calibration_factor, oom_floor, verdict
+from tuner.recipe import Recipe
+from tuner.record import keys
+from tuner.record.status import OOM
+from tuner.space import SearchSpace, config_from_params, trial_params
+
+MISS_LIMIT = 0.35  # median |measured/predicted - 1| of the last RECENT predicted trials
+RECENT = 3
+# Predictions made from fewer measured trials than this are not judged: until then the priors
+# rule, and expected improvement's uncertainty term does the exploring.
+JUDGED_AFTER = 5
+MIN_P_FIT = 0.5  # a config more likely to run out of memory than to fit is not worth a device run
+
+
+@dataclass(frozen=True)
+class SamplerContext:
+    """What a sampler that ranks configs needs to know about the study."""
+
+    recipe: Recipe
+    space: SearchSpace
+    device: DeviceInfo
+
+
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
+
+
+def expected_improvement(mean: np.ndarray, sd: np.ndarray, best: float) -> np.ndarray:
+    """EI of a normal N(mean, sd) over `best` (log tokens/s)."""
+    sd = np.maximum(sd, 1e-6)
+    z = (mean - best) / sd
+    pdf = np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
+    return sd * (z * _normal_cdf(z) + pdf)
+
+
+def _config_of(params: dict[str, Any]) -> Config | None:
+    try:
+        return config_from_params(params)
+    except (ConfigError, ValueError, TypeError):
+        return None
+
+
+class ModelSampler(optuna.samplers.BaseSampler):
+    def __init__(self, context: SamplerContext, seed: int = 0, priors: DevicePriors | None = None):
+        self.context = context
+        self.seed = seed
+        self.predictor = Predictor(context.device, priors)
+        self._tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
+        self._choice: dict[int, Config] = {}
+        self._fitted_on: int | None = None
+        self._pool: list[Config] | None = None  # candidates, when the space is small enough to keep
+        self._features: dict[str, tuple] = {}
+
+    # ---- the BaseSampler contract: every knob is chosen at once, in before_trial ----------------
+
+    def infer_relative_search_space(self, study, trial) -> dict[str, BaseDistribution]:
+        return {}
+
+    def sample_relative(self, study, trial, search_space) -> dict[str, Any]:
+        return {}
+
+    def sample_independent(self, study, trial, param_name: str, param_distribution: BaseDistribution) -> Any:
+        config = self._choice.get(trial.number)
+        if config is not None and isinstance(param_distribution, CategoricalDistribution):
+            value = trial_params(config).get(param_name)
+            if value in param_distribution.choices:
+                return value
+        return self._tpe.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self._tpe.before_trial(study, trial)
+        trials = study.get_trials(deepcopy=False)
+        self._refit(trials)
+        fixed = trial.system_attrs.get("fixed_params")
+        if fixed:
+            config = _config_of(fixed)
+            if config is not None and config.world_size == self.context.recipe.hardware.devices:
+                self._record(study, trial, keys.CHOSEN_BY_QUEUE, config)
+            return
+        config = None if self._missing(trials) else self._choose(trials)
+        if config is None:
+            self._record(study, trial, keys.CHOSEN_BY_TPE, None)
+            return
+        self._choice[trial.number] = config
+        self._record(study, trial, keys.CHOSEN_BY_MODEL, config)
+
+    def after_trial(self, study, trial, state, values) -> None:
+        # TPE's picks get the model's prediction too (fitted before this trial's result), so the
+        # misfit test can tell when the model is good again.
+        if trial.user_attrs.get(keys.CHOSEN_BY) == keys.CHOSEN_BY_TPE and state == TrialState.COMPLETE:
+            config = _config_of(trial.params)
+            if config is not None and config.world_size == self.context.recipe.hardware.devices:
+                self._record(study, trial, keys.CHOSEN_BY_TPE, config)
+        self._choice.pop(trial.number, None)
+        self._tpe.after_trial(study, trial, state, values)
+
+    # ---- the model ---------------------------------------------------------------------------
+
+    def _refit(self, trials: list[FrozenTrial]) -> None:
+        finished = sum(t.state.is_finished() for t in trials)
+        if finished != self._fitted_on:
+            self.predictor.fit(study_observations(self.context.recipe, trials))
+            self._fitted_on = finished
+
+    def _missing(self, trials: list[FrozenTrial]) -> bool:
+        """Whether the predictions for the last measured trials missed by more than MISS_LIMIT."""
+        complete = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.number)
+        misses = [
+            abs(t.user_attrs[keys.TOKENS_PER_S] / t.user_attrs[keys.PREDICTED_TOKENS_PER_S] - 1)
+            for t in complete[JUDGED_AFTER:]
+            if t.user_attrs.get(keys.PREDICTED_TOKENS_PER_S) and t.user_attrs.get(keys.TOKENS_PER_S)
+        ][-RECENT:]
+        return len(misses) == RECENT and float(np.median(misses)) > MISS_LIMIT
+
+    def _cached(self, configs: list[Config]) -> list[tuple]:
+        """(StepWork, Features row) per config, computed once per config of the study."""
+        missing = [c for c in configs if c.key() not in self._features]
+        if missing:
+            works, f = self.predictor.features(self.context.recipe, missing)
+            for i, c in enumerate(missing):
+                self._features[c.key()] = (works[i], f.take([i]))
+        return [self._features[c.key()] for c in configs]
+
+    def _predict(self, configs: list[Config]):
+        rows = self._cached(configs)
+        f = Features.concat([r[1] for r in rows])
+        return self.predictor.predict(self.context.recipe, configs, ([r[0] for r in rows], f))
+
+    def _pool_for(self, measured: list[tuple[float, Config]]) -> list[Config]:
+        ctx = self.context
+        if self._pool is not None:
+            return self._pool
+        top = [c for _, c in sorted(measured, key=lambda p: -p[0])[:3]]
+        pool = candidates(ctx.space, ctx.recipe, ctx.device, seed=self.seed + len(measured), around=top)
+        if len(pool) < 4000:
+            self._pool = pool  # the whole space: the same list every time
+        return pool
+
+    def _choose(self, trials: list[FrozenTrial]) -> Config | None:
+        """The untried config with the best EI x P(fit)^2 that the driver would not prune."""
+        ctx = self.context
+        tried = set()
+        for t in trials:
+            config = _config_of(t.params) if t.params else None
+            fixed = _config_of(t.system_attrs.get("fixed_params") or {})
+            tried.update(c.key() for c in (config, fixed) if c is not None)
+            if t.user_attrs.get(keys.CONFIG_KEY):
+                tried.add(t.user_attrs[keys.CONFIG_KEY])
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        calibration = calibration_factor(
+            [(t.user_attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES), t.user_attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES)) for t in complete]
+        )  # fmt: skip
+        floor = oom_floor(
+            (c, t.user_attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES), t.number)
+            for t in trials
+            if t.user_attrs.get(keys.STATUS) == OOM and (c := _config_of(t.params)) is not None
+        )
+        measured = [
+            (t.values[0], c) for t in complete if t.values and (c := _config_of(t.params)) is not None
+        ]
+        untried = [c for c in self._pool_for(measured) if c.key() not in tried]
+        pool = [
+            c
+            for c, (work, _) in zip(untried, self._cached(untried), strict=True)
+            if verdict(c, ctx.recipe, ctx.device, calibration, floor, est=work.estimate).reason is None
+        ]
+        if not pool:
+            return None
+        p = self._predict(pool)
+        best = max((math.log(v) for v, _ in measured if v and v > 0), default=None)
+        mean = np.log(p.tokens_per_s)
+        gain = mean + p.log_sd_coef if best is None else expected_improvement(mean, p.log_sd_coef, best)
+        score = np.where(p.p_fit >= MIN_P_FIT, gain * p.p_fit**2, -np.inf)
+        if not np.isfinite(score).any():
+            return None
+        return pool[int(np.argmax(score))]
+
+    def _record(self, study: optuna.Study, trial: FrozenTrial, chosen_by: str, config: Config | None) -> None:
+        storage, tid = study._storage, trial._trial_id
+        storage.set_trial_user_attr(tid, keys.CHOSEN_BY, chosen_by)
+        if config is None:
+            return
+        p = self._predict([config])
+        storage.set_trial_user_attr(tid, keys.PREDICTED_TOKENS_PER_S, round(float(p.tokens_per_s[0]), 2))
+        interval = [round(float(p.tokens_low[0]), 2), round(float(p.tokens_high[0]), 2)]
+        storage.set_trial_user_attr(tid, keys.PREDICTED_INTERVAL, interval)

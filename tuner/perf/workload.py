@@ -1,0 +1,92 @@
+"""What one optimizer step of a config asks of the devices (FLOPs, bytes per collective, tokens,
+layers, host work), from the recipe and the knobs alone: the one adapter between the model family's
+formulas (`tuner.estimate`, `tuner.workload.flops`) and the performance model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tuner.config import Config, microbatches
+from tuner.devices import DeviceInfo
+from tuner.estimate import Estimate, MiB, estimate
+from tuner.recipe import Recipe
+
+# Bytes per element moved by a gradient all-reduce under each DDP communication hook.
+_COMPRESSED_BYTES = {"fp16": 2, "bf16": 2, "powersgd": 0.25}  # powersgd: a low-rank factor pair
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One step of one config on its busiest rank. Counts are per step unless named per micro."""
+
+    tokens: int  # global tokens per optimizer step
+    microbatches: int  # forward/backward passes per step on a rank
+    micro_tokens: int  # tokens of one micro-batch on one rank (what a matmul's rows are)
+    flops_micro: float  # hardware FLOPs (recompute included) of one micro-batch on one rank
+    units_micro: float  # kernel-ish host units of one micro-batch (layer passes, embed, head)
+    tp_messages_micro: int  # tensor-parallel all-reduces per micro-batch
+    tp_bytes_micro: float  # bytes each rank moves for them
+    pp_messages: int  # point-to-point sends/receives per step on a stage
+    pp_bytes: float
+    dp_messages: int  # gradient buckets (DDP) or gathers/scatters (FSDP) per step
+    dp_bytes: float
+    pp: int
+    ranks: int
+    peak_mem_bytes: int  # the memory estimator's prediction
+    estimate: Estimate = field(compare=False, repr=False)  # all of it (prune.verdict takes it)
+
+    @property
+    def bubble_factor(self) -> float:
+        """Pipeline schedule length over its useful part: (microbatches + pp - 1) / microbatches."""
+        return (self.microbatches + self.pp - 1) / self.microbatches
+
+
+def _ring(nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of `nbytes` over `n` ranks."""
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
+    m, c = recipe.model, config
+    est = estimate(recipe, config, device)
+    n_micro = microbatches(c, recipe)
+    micro_tokens = c.micro_batch_size * m.seq_len
+    # Hardware FLOPs split over the ranks: tp splits the matmuls, pp the layers, dp the batch.
+    flops_micro = est.hardware_flops_per_step / c.world_size / n_micro
+    layers = m.layers // c.pp
+    repeat = {"none": 0.0, "selective": 0.5, "full": 1.0}[c.recompute]
+    units = layers * (2 + repeat) + 2  # forward + backward per layer, recomputed forwards, ends
+    act_bytes = 4 if c.amp == "O0" else 2
+    activation = micro_tokens * m.hidden * act_bytes
+    tp_msgs = 0 if c.tp == 1 else int(layers * (4 + 2 * repeat))
+    pp_msgs = 0 if c.pp == 1 else 2 * n_micro
+    fsdp = c.dp > 1 and c.dp_shard == "fsdp"
+    if c.dp == 1:
+        dp_msgs, dp_bytes = 0, 0.0
+    elif fsdp:
+        elems = est.params_bytes * c.dp / 4
+        dp_msgs, dp_bytes = 3 * (layers + 1), 3 * (c.dp - 1) / c.dp * elems * (2 if c.amp == "O2" else 4)
+    else:
+        p_bytes = 2 if c.amp == "O2" else 4
+        elems = est.params_bytes / p_bytes
+        per = _COMPRESSED_BYTES.get(c.grad_compression, p_bytes)
+        dp_msgs = max(1, math.ceil(elems * p_bytes / (c.bucket_mb * MiB)))
+        dp_bytes = _ring(elems * per, c.dp)
+    return StepWork(
+        tokens=recipe.train.global_batch_size * m.seq_len,
+        microbatches=n_micro,
+        micro_tokens=micro_tokens,
+        flops_micro=flops_micro,
+        units_micro=units,
+        tp_messages_micro=tp_msgs,
+        tp_bytes_micro=_ring(activation, c.tp) * tp_msgs,
+        pp_messages=pp_msgs,
+        pp_bytes=pp_msgs * activation,
+        dp_messages=dp_msgs,
+        dp_bytes=dp_bytes,
+        pp=c.pp,
+        ranks=c.world_size,
+        peak_mem_bytes=int(est.peak_mem_bytes),
+        estimate=est,
+    )
