@@ -61,8 +61,10 @@ class _Section(BaseModel):
 class ModelSpec(_Section):
     """What to train. The family (`tuner.models`) owns its formulas and the fields only it reads."""
 
-    family: Literal["gpt", "llama"] = Field(
-        "gpt", description="Model family: gpt (GPT-2 style) or llama (Llama-3 layout)."
+    family: Literal["gpt", "llama", "hf"] = Field(
+        "gpt",
+        description="Model family: gpt (GPT-2 style), llama (Llama-3 layout) or hf (a transformers "
+        "decoder-only model built from model.config; the sizes are the config's).",
     )
     layers: int = Field(..., ge=1, le=512, description="Number of transformer blocks.")
     hidden: int = Field(..., ge=8, le=65536, description="Model width (d_model).")
@@ -86,8 +88,13 @@ class ModelSpec(_Section):
     tie_embeddings: bool | None = Field(
         None, description="llama: share the token embedding with the output projection; null = false."
     )
+    config: dict[str, Any] | None = Field(
+        None,
+        description="hf: the transformers config as data: model_type plus keys its config class "
+        "declares (no auto_map, trust_remote_code or keys naming classes, modules or files).",
+    )
 
-    @field_validator("kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings", mode="after")
+    @field_validator("kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings", "config", mode="after")
     @classmethod
     def _family_field(cls, value: Any, info: ValidationInfo) -> Any:
         from tuner.models import get_family
@@ -131,7 +138,7 @@ class ModelSpec(_Section):
         return family_of(self).kv_heads(self)
 
 
-FAMILY_ONLY_FIELDS = ("kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings")
+FAMILY_ONLY_FIELDS = ("kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings", "config")
 
 
 class TrainSpec(_Section):
@@ -225,6 +232,15 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
 def recipe_from_dict(data: Any, source: str | None = None) -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError([("", "a recipe must be a mapping with at least 'name' and 'model'")], source)
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("family") == "hf":
+        from tuner.models.hf import resolve_model
+
+        # The sizes come from the config, checked as data before transformers sees it.
+        resolved, problems = resolve_model(model)
+        if problems:
+            raise RecipeError(problems, source)
+        data = {**data, "model": resolved}
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:

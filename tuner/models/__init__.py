@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tuner.models import gpt as _gpt  # noqa: F401 - registers the family
+from tuner.models import hf as _hf  # noqa: F401 - registers the family
 from tuner.models import llama as _llama  # noqa: F401 - registers the family
 from tuner.models.base import _REGISTRY, ModelFamily, get_family
 
