@@ -122,7 +122,7 @@ def config_problems(config: Any, where: str = "model.config") -> list[tuple[str,
     if not out:
         try:
             resolved(json.dumps(config, sort_keys=True))
-        except (ValueError, TypeError) as err:
+        except Exception as err:  # noqa: BLE001 - any refusal of a data config is the user's to fix
             out.append((where, f"transformers refused it: {str(err).splitlines()[0]}"))
     return out
 
