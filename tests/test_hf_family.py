@@ -111,3 +111,12 @@ def test_splits_the_model_cannot_run_are_infeasible_with_the_reason():
 def test_the_recipe_hash_of_other_families_is_unchanged_by_the_config_field():
     llama = {"family": "llama", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 256}
     assert "config" not in recipe_from_dict({"name": "x", "model": llama}).model.hash_fields()
+
+
+def test_a_bf16_model_runs_as_amp_o2_does():
+    """amp=O2 keeps the parameters in bf16: the rotary tables follow the hidden states' dtype."""
+    m = _recipe(CONFIGS["qwen2"]).model
+    model = build_model(m, "math", seed=0, device=torch.device("cpu")).to(torch.bfloat16)
+    batch = torch.randint(0, 256, (2, 16))
+    logits = model(batch)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(model.loss(logits, batch))

@@ -113,3 +113,32 @@ def test_models_are_listed_with_option_schemas(client, auth):  # noqa: F811
     assert moe["options"]["properties"]["experts"]["minimum"] == 1
     out = " ".join(CliRunner().invoke(app, ["models"]).output.split())
     assert "tiny-moe:" in out and "options.experts: integer Expert MLPs per block. (default 4)" in out
+
+
+@pytest.mark.slow
+def test_the_plugin_is_tuned_end_to_end_through_rest(tmp_path):
+    import httpx
+    from test_api_server import Server, follow
+
+    server = Server(tmp_path, None, workers=1)
+    try:
+        token = server.tuner("token", "create", "--name", "plugin")
+        auth = {"Authorization": f"Bearer {token}"}
+        server.start()
+        text = (
+            "name: moe-e2e\nmodel: {family: plugin, plugin: tiny-moe, seq_len: 32, options: {experts: 2}}\n"
+            "train: {global_batch_size: 4}\nhardware: {device: cpu, devices: 1}\n"
+            "search: {trials: 2, timeout_min: 10, overrides: {compile: [none]}}\n"
+            "measure: {warmup_steps: 1, steps: 2, timeout_s: 120}\n"
+        )
+        resp = httpx.post(
+            f"{server.base}/v1/jobs", content=text, headers={**auth, "Content-Type": "application/yaml"}
+        )
+        assert resp.status_code == 202, resp.text
+        job = resp.json()["id"]
+        done = follow(server, token, job, {"done"}, timeout=400)[-1]
+        assert done["data"]["state"] == "succeeded", f"{done}\n{server.log()}"
+        best = httpx.get(f"{server.base}/v1/jobs/{job}/best", headers=auth, timeout=60)
+        assert best.status_code == 200 and best.json()["tokens_per_s"] > 0, best.text
+    finally:
+        server.stop()

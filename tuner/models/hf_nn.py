@@ -81,7 +81,8 @@ class HFDecoder(Decoder):
         rotary = self._rotary[0]
         cpu_x = torch.empty(1, device="cpu", dtype=torch.float32)
         cos, sin = rotary(cpu_x, positions.cpu())
-        cos, sin = cos.to(x.device), sin.to(x.device)
+        # In the hidden states' dtype, as transformers' own model does (bf16 under amp=O2).
+        cos, sin = cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
         for layer in self.layers.values():
             out = layer(x, position_ids=positions, position_embeddings=(cos, sin))
             x = out[0] if isinstance(out, tuple) else out
