@@ -101,7 +101,14 @@ class ModelSpec(_Section):
     )
 
     @field_validator(
-        "kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings", "config", "plugin", "options", mode="after"
+        "kv_heads",
+        "ffn_multiple_of",
+        "rope_theta",
+        "tie_embeddings",
+        "config",
+        "plugin",
+        "options",
+        mode="after",
     )
     @classmethod
     def _family_field(cls, value: Any, info: ValidationInfo) -> Any:
