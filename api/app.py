@@ -14,7 +14,7 @@ from fastapi.responses import RedirectResponse
 from api.dashboard import router as dashboard_router
 from api.errors import BodySizeLimit, document_errors, install_error_handlers
 from api.responses import FiniteJSONResponse
-from api.routes import events, jobs, plans, studies, system
+from api.routes import events, jobs, models, plans, studies, system
 from api.settings import Settings
 
 log = logging.getLogger("tuner.api")
@@ -57,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(plans.router)
     app.include_router(studies.router)
     app.include_router(system.router)
+    app.include_router(models.router)
     app.include_router(dashboard_router)
 
     def openapi() -> dict:

@@ -258,6 +258,9 @@ def shape_reasons(config: Config, recipe: Recipe) -> list[tuple[str, str]]:
                 "tie_embeddings shares one weight between the first and last stage; use pp = 1",
             )
         )
+    from tuner.models import family_of
+
+    r += family_of(m).shape_reasons(m, config.tp, config.pp, config.sequence_parallel)
     if config.sequence_parallel and config.tp > 1 and m.seq_len % config.tp:
         r.append(
             ("model.seq_len", f"sequence_parallel: seq_len ({m.seq_len}) not divisible by tp ({config.tp})")

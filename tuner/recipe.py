@@ -61,8 +61,11 @@ class _Section(BaseModel):
 class ModelSpec(_Section):
     """What to train. The family (`tuner.models`) owns its formulas and the fields only it reads."""
 
-    family: Literal["gpt", "llama"] = Field(
-        "gpt", description="Model family: gpt (GPT-2 style) or llama (Llama-3 layout)."
+    family: Literal["gpt", "llama", "hf", "plugin"] = Field(
+        "gpt",
+        description="Model family: gpt (GPT-2 style), llama (Llama-3 layout) or hf (a transformers "
+        "decoder-only model built from model.config; the sizes are the config's) or plugin (an "
+        "installed model plugin, model.plugin, with model.options).",
     )
     layers: int = Field(..., ge=1, le=512, description="Number of transformer blocks.")
     hidden: int = Field(..., ge=8, le=65536, description="Model width (d_model).")
@@ -86,8 +89,27 @@ class ModelSpec(_Section):
     tie_embeddings: bool | None = Field(
         None, description="llama: share the token embedding with the output projection; null = false."
     )
+    config: dict[str, Any] | None = Field(
+        None,
+        description="hf: the transformers config as data: model_type plus keys its config class "
+        "declares (no auto_map, trust_remote_code or keys naming classes, modules or files).",
+    )
 
-    @field_validator("kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings", mode="after")
+    plugin: str | None = Field(None, description="plugin: the installed model plugin's name (tuner models).")
+    options: dict[str, Any] | None = Field(
+        None, description="plugin: the plugin's options, plain data its own schema checks."
+    )
+
+    @field_validator(
+        "kv_heads",
+        "ffn_multiple_of",
+        "rope_theta",
+        "tie_embeddings",
+        "config",
+        "plugin",
+        "options",
+        mode="after",
+    )
     @classmethod
     def _family_field(cls, value: Any, info: ValidationInfo) -> Any:
         from tuner.models import get_family
@@ -131,7 +153,9 @@ class ModelSpec(_Section):
         return family_of(self).kv_heads(self)
 
 
-FAMILY_ONLY_FIELDS = ("kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings")
+FAMILY_ONLY_FIELDS = (
+    "kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings", "config", "plugin", "options"
+)  # fmt: skip
 
 
 class TrainSpec(_Section):
@@ -267,6 +291,17 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
 def recipe_from_dict(data: Any, source: str | None = None) -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError([("", "a recipe must be a mapping with at least 'name' and 'model'")], source)
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("family") in ("hf", "plugin"):
+        from tuner.models import hf, plugins
+
+        # The sizes come from the config (checked as data before transformers sees it) or from
+        # the plugin's validated options.
+        resolve = hf.resolve_model if model["family"] == "hf" else plugins.resolve_model
+        resolved, problems = resolve(model)
+        if problems:
+            raise RecipeError(problems, source)
+        data = {**data, "model": resolved}
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:

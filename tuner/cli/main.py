@@ -20,7 +20,7 @@ app = typer.Typer(
 )
 
 # Each module registers its commands; a module that is not there yet is simply absent.
-_COMMAND_MODULES = ("measure", "tune", "plan", "build", "serve", "token", "nightly", "db")
+_COMMAND_MODULES = ("measure", "tune", "plan", "build", "serve", "token", "nightly", "db", "models")
 
 for _name in _COMMAND_MODULES:
     try:

@@ -105,6 +105,10 @@ class ModelFamily:
         per = m.layers // stages
         return range(stage * per, (stage + 1) * per)
 
+    def shape_reasons(self, m: ModelSpec, tp: int, pp: int, sequence_parallel: bool) -> list[tuple[str, str]]:
+        """(recipe field, reason) for splits this family cannot run, beyond the shared shape rules."""
+        return []
+
     # --- torch side (loaded lazily) --------------------------------------------------------
     def _nn(self) -> Any:
         import importlib

@@ -41,8 +41,8 @@ class Checkpointed(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, *args, use_reentrant=False)
+    def forward(self, *args: torch.Tensor, **kwargs) -> torch.Tensor:
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
 class Offloaded(nn.Module):
@@ -53,9 +53,9 @@ class Offloaded(nn.Module):
         self.inner = inner
         self.pin_memory = pin_memory
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: torch.Tensor, **kwargs) -> torch.Tensor:
         with torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory):
-            return self.inner(*args)
+            return self.inner(*args, **kwargs)
 
 
 def apply_pipeline_split(model: Decoder, dims: ParallelDims, pp_rank: int) -> Decoder:

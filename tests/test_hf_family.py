@@ -1,0 +1,122 @@
+"""`model.family: hf`: transformers' own decoder-only models built from a config that is data.
+The tuner's module computes what transformers' computes, its counts are the built model's, and
+code-loading or undeclared config keys are refused before transformers sees them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tuner.config import Config, shape_reasons
+from tuner.models import family_of
+from tuner.models.hf import hf_config, supported_types
+from tuner.models.hf_nn import build_hf
+from tuner.recipe import RecipeError, recipe_from_dict
+from tuner.workload.model import build_model
+
+SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 96, "vocab_size": 256}  # fmt: skip
+CONFIGS = {t: {"model_type": t} | SMALL for t in ("llama", "qwen2", "mistral")}
+
+
+def _recipe(config: dict, **model):
+    return recipe_from_dict(
+        {"name": "hf", "model": {"family": "hf", "seq_len": 16, "config": config} | model}
+    )
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_forward_equals_transformers_own_on_the_same_weights(model_type):
+    m = _recipe(CONFIGS[model_type]).model
+    ours = build_model(m, "math", seed=3, device=torch.device("cpu"))
+    theirs = build_hf(hf_config(m))
+    # Same names under transformers' `model.` prefix (the head keeps its own): a strict load.
+    theirs.load_state_dict(
+        {(k if k.startswith("lm_head.") else "model." + k): v for k, v in ours.state_dict().items()}
+    )
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = theirs(input_ids=batch).logits
+        got = ours(batch)
+    assert got.shape == (2, 16, 256)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_sizes_and_counts_are_the_built_models(model_type):
+    m = _recipe(CONFIGS[model_type]).model
+    assert (m.layers, m.hidden, m.heads, m.vocab, m.ffn) == (2, 64, 4, 256, 96)
+    assert m.kv_heads_count == 2
+    family = family_of(m)
+    with torch.device("meta"):
+        built = build_hf(hf_config(m))
+    assert family.param_count(m) == sum(p.numel() for p in built.parameters())
+    linears = sum(p.numel() for n, p in built.model.layers.named_parameters() if p.dim() == 2)
+    assert family.matmul_params(m) == linears + 64 * 256
+    assert family.flops_per_token(m) > 6 * family.matmul_params(m)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("auto_map", {"AutoModelForCausalLM": "evil.Model"}),
+        ("trust_remote_code", True),
+        ("tokenizer_class", "X"),
+        ("architectures", ["Qwen2ForCausalLM"]),
+        ("rope_parameters", {"rope_type": "default", "loader_module": "os"}),
+    ],
+)
+def test_code_loading_keys_are_field_errors(key, value):
+    with pytest.raises(RecipeError) as err:
+        _recipe(CONFIGS["qwen2"] | {key: value})
+    assert f"model.config.{key}" in str(err.value)
+    assert "code or a file" in str(err.value)
+
+
+def test_unknown_keys_types_and_sizes_are_field_errors():
+    with pytest.raises(RecipeError, match=r"model.config.hiden_size: qwen2's config declares no"):
+        _recipe(CONFIGS["qwen2"] | {"hiden_size": 3})
+    with pytest.raises(RecipeError) as err:
+        _recipe({"model_type": "bert"} | SMALL)
+    assert (
+        "model.config.model_type" in str(err.value)
+        and "qwen2" in str(err.value)
+        and "llama" in str(err.value)
+    )
+    with pytest.raises(RecipeError, match=r"model.layers: 3 differs from model.config.num_hidden_layers"):
+        _recipe(CONFIGS["qwen2"], layers=3)
+    with pytest.raises(RecipeError, match=r"model.config: must be a mapping"):
+        recipe_from_dict({"name": "x", "model": {"family": "hf", "seq_len": 16}})
+    with pytest.raises(RecipeError, match=r"model.config: only the hf family has config"):
+        recipe_from_dict({"name": "x", "model": {"family": "llama", "layers": 2, "hidden": 64, "heads": 4,
+                                                 "seq_len": 16, "vocab": 256, "config": {}}})  # fmt: skip
+
+
+def test_supported_types_are_decoder_only():
+    types = supported_types()
+    assert {"llama", "qwen2", "mistral"} <= set(types)
+    assert not {"bert", "t5", "bart", "gpt2"} & set(types)
+
+
+def test_splits_the_model_cannot_run_are_infeasible_with_the_reason():
+    recipe = _recipe(CONFIGS["qwen2"])
+    assert shape_reasons(Config.from_params({"tp": 2}), recipe) == []
+    reasons = dict(shape_reasons(Config.from_params({"tp": 2, "sequence_parallel": True}), recipe))
+    assert "sequence_parallel is not supported" in reasons["model.config"]
+    tied = _recipe(CONFIGS["qwen2"] | {"tie_word_embeddings": True})
+    reasons = dict(shape_reasons(Config.from_params({"pp": 2}), tied))
+    assert "use pp = 1" in reasons["model.config.tie_word_embeddings"]
+
+
+def test_the_recipe_hash_of_other_families_is_unchanged_by_the_config_field():
+    llama = {"family": "llama", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 16, "vocab": 256}
+    assert "config" not in recipe_from_dict({"name": "x", "model": llama}).model.hash_fields()
+
+
+def test_a_bf16_model_runs_as_amp_o2_does():
+    """amp=O2 keeps the parameters in bf16: the rotary tables follow the hidden states' dtype."""
+    m = _recipe(CONFIGS["qwen2"]).model
+    model = build_model(m, "math", seed=0, device=torch.device("cpu")).to(torch.bfloat16)
+    batch = torch.randint(0, 256, (2, 16))
+    logits = model(batch)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(model.loss(logits, batch))
