@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from typing import Any
 
 from tuner.record import keys
@@ -44,7 +45,12 @@ class MlflowTracker:
                 "TUNER_MLFLOW_TRACKING_URI is set but MLflow is not installed: pip install 'training-tuner[mlflow]' "
                 "(or unset TUNER_MLFLOW_TRACKING_URI)"
             ) from None
+        # A tracking server that is down must cost a study seconds, not MLflow's default of 7
+        # retries with backoff and a 120 s timeout per request (minutes per trial).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.uri = uri
+        self.disabled = False  # set after the first failure: the rest of the study is not tracked
         self._client: Any = None
         self.study_name = study_name
         self.recipe_name = recipe_name
@@ -113,13 +119,16 @@ class MlflowTracker:
 
     def __call__(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
+        if self.disabled:
+            return
         try:
             if kind == "trial_finished":
                 self.trial_finished(event)
             elif kind == "done":
                 self.study_done(event)
         except Exception as err:  # noqa: BLE001 - a tracker that cannot write must not stop the study
-            log.warning("MLflow logging of %s failed: %s", self.study_name, err)
+            self.disabled = True
+            log.warning("MLflow logging of %s failed, not tracking the rest of it: %s", self.study_name, err)
 
 
 def tracked_hooks(hooks: Any, study_name: str, recipe_name: str | None = None) -> Any:
