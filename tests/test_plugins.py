@@ -5,8 +5,11 @@ to end through a real `tuner serve`."""
 
 from __future__ import annotations
 
+import importlib
+import site
 import subprocess
 import sys
+import sysconfig
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -48,6 +51,10 @@ def installed_plugin():
             ],
             check=True,
         )
+        # An editable install takes effect through a .pth file, which Python reads at start-up:
+        # read it now, so this process imports the plugin as a freshly started one would.
+        importlib.invalidate_caches()
+        site.addsitedir(sysconfig.get_paths()["purelib"])
         from tuner.models import plugins
 
         plugins.installed.cache_clear()
