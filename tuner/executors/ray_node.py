@@ -11,6 +11,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,17 +122,9 @@ def run_on_node(
 
     from tuner.executors.local import run_trial
 
-    ctx = ray.get_runtime_context()
-    ip = ray.util.get_node_ip_address()
-    where = {
-        "ray_node_id": ctx.get_node_id(),
-        "ray_node_ip": ip,
-        "worker_pid": os.getpid(),
-        # The GPUs/NPUs Ray gave this task (it also set CUDA_VISIBLE_DEVICES etc., which the ranks inherit).
-        "accelerator_ids": {kind: ids for kind, ids in ctx.get_accelerator_ids().items() if ids},
-    }
     spec = TrialSpec.from_dict(spec_dict)
-    node = _node_part(spec, part, ip, where)
+    where = _where(ray)
+    node = _node_part(spec, part, ip=where["ray_node_ip"], where=where)
     yield where  # tells the driver the trial left Ray's queue (see RayExecutor.free_slots)
     local_ranks = world_size(spec) if node is None else node.local_world(world_size(spec))
     lease = None
@@ -146,21 +139,48 @@ def run_on_node(
                 where,
             ).to_dict()
             return
+    try:
+        result = _run_interruptible(
+            spec,
+            where,
+            lambda stop: run_trial(spec, env=env, cpus=lease.cores if lease else None, stop=stop, node=node),
+        )
+    finally:
+        if lease is not None:
+            lease.release()
+    result.extra.update(where, cores=lease.cores if lease else None, node_wall_s=result.wall_s)
+    yield result.to_dict()
+
+
+def _where(ray) -> dict[str, Any]:
+    """Where this task runs, as the driver records it on the trial."""
+    ctx = ray.get_runtime_context()
+    return {
+        "ray_node_id": ctx.get_node_id(),
+        "ray_node_ip": ray.util.get_node_ip_address(),
+        "worker_pid": os.getpid(),
+        # The GPUs/NPUs Ray gave this task (it also set CUDA_VISIBLE_DEVICES etc., which the ranks inherit).
+        "accelerator_ids": {kind: ids for kind, ids in ctx.get_accelerator_ids().items() if ids},
+    }
+
+
+def _run_interruptible(
+    spec: TrialSpec, where: dict[str, Any], run: Callable[[threading.Event], TrialResult]
+) -> TrialResult:
+    """`run(stop)` in a thread, so that ray.cancel's KeyboardInterrupt lands here, in the main
+    thread, which then sets `stop` and waits until the trial's processes are gone. (Waiting on an
+    Event, not Thread.join: an interrupted join marks a live thread as finished, bpo-45274.)"""
     stop, done = threading.Event(), threading.Event()
     box: dict[str, TrialResult] = {}
 
     def target() -> None:
         try:
-            cpus = lease.cores if lease else None
-            box["result"] = run_trial(spec, env=env, cpus=cpus, stop=stop, node=node)
+            box["result"] = run(stop)
         except Exception as err:  # noqa: BLE001 - a runner bug must still come back as a result
             box["result"] = error_result(spec, type(err).__name__, f"trial runner failed: {err}", where)
         finally:
             done.set()
 
-    # The trial runs in a thread so that ray.cancel's KeyboardInterrupt lands here, in the main
-    # thread, which then stops the trial and waits until its processes are gone. (Waiting on an
-    # Event, not Thread.join: an interrupted join marks a live thread as finished, bpo-45274.)
     threading.Thread(target=target, name=f"trial-{spec.tag}", daemon=True).start()
     try:
         while not done.wait(0.2):
@@ -169,12 +189,7 @@ def run_on_node(
         stop.set()
         _wait_despite_interrupts(done)
         raise
-    finally:
-        if lease is not None:
-            lease.release()
-    result = box["result"]
-    result.extra.update(where, cores=lease.cores if lease else None, node_wall_s=result.wall_s)
-    yield result.to_dict()
+    return box["result"]
 
 
 def _wait_despite_interrupts(done: threading.Event) -> None:

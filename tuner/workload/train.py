@@ -29,6 +29,27 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
+def _build_sharded(
+    recipe: Recipe, config: Config, dims: ParallelDims, pp_rank: int, device: torch.device, seed: int
+):
+    """(the whole model, this rank's module, whether FSDP shards it): built on the meta device
+    until apply_all has split it, so the rank allocates (and initialises) only its shard."""
+    model = build_meta(recipe.model, config.attention)
+    low = low_dtype(config)
+    fsdp = dims.dp_enabled and config.dp_shard == "fsdp"
+    if config.amp == "O1":
+        model.autocast = (device.type, low)
+    elif config.amp == "O2" and not fsdp:
+        model.to(low)  # still meta: the weights are allocated (and drawn) in `low`
+    fsdp_dtype = low if config.amp == "O2" else None
+
+    def allocate(module: nn.Module) -> None:
+        materialize(module, recipe.model, device, seed)
+
+    module = apply_all(model, config, dims, pp_rank, device, allocate, fsdp_param_dtype=fsdp_dtype)
+    return model, module, fsdp
+
+
 def _check_feasible(config: Config, recipe: Recipe, info: DeviceInfo, world: int) -> None:
     """The study prunes infeasible configs before launch; a spec run directly gets the same
     verdict here rather than, say, a pipeline that silently drops the layers pp does not divide.
@@ -82,21 +103,7 @@ class Training:
         torch.backends.cuda.matmul.allow_tf32 = config.tf32
         torch.backends.cudnn.allow_tf32 = config.tf32
 
-        # On the meta device until apply_all has split it: the rank allocates only its shard.
-        model = build_meta(recipe.model, config.attention)
-        low = low_dtype(config)
-        fsdp = dims.dp_enabled and config.dp_shard == "fsdp"
-        if config.amp == "O1":
-            model.autocast = (device.type, low)
-        elif config.amp == "O2" and not fsdp:
-            model.to(low)  # still meta: the weights are allocated (and drawn) in `low`
-        fsdp_dtype = low if config.amp == "O2" else None
-
-        def allocate(module: nn.Module) -> None:
-            materialize(module, recipe.model, device, spec.seed)
-
-        module = apply_all(model, config, dims, coords["pp"], device, allocate, fsdp_param_dtype=fsdp_dtype)
-
+        model, module, fsdp = _build_sharded(recipe, config, dims, coords["pp"], device, spec.seed)
         train = recipe.train
         params = [p for p in module.parameters() if p.requires_grad]
 
