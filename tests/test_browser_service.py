@@ -162,7 +162,11 @@ def test_the_cli_study_is_on_the_jobs_page_and_opens_the_job_page(service, page)
     row.locator("a").click()
     _ready(page)
     assert page.url.endswith(f"/ui/studies/{study}")
-    assert page.locator("#trials-table tbody tr").count() == 1
+    # Every trial of the study, run or not: with --trials 1 a bf16 baseline leaves its fp32
+    # loss reference queued (waiting) for the next run, on CPUs whose baseline is O1.
+    with session_scope(service["url"]) as s:
+        stored = len(read_study(s, study).trials)
+    assert stored in (1, 2) and page.locator("#trials-table tbody tr").count() == stored
     assert page.locator("#plot-history .main-svg").count() > 0
     assert page.is_visible("#best-card") and page.is_disabled("#download-build")
     assert "tuner build" in page.inner_text("#build-status")
