@@ -3,6 +3,7 @@ the file and key, and sampling records only the knobs that apply."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import optuna
@@ -43,7 +44,10 @@ def test_cpu_space_yields_only_feasible_configs_for_the_example_recipes(path):
     recipe = cpu_recipe(path)
     configs = list(load_space("cpu").configs(recipe, CPU))
     assert configs
-    assert all(not infeasible_reasons(c, recipe, CPU) for c in configs)
+    # The enumeration checks every config itself; re-checking a fixed sample keeps this test
+    # seconds long on spaces of 60,000 configs (the hf recipe's).
+    sample = random.Random(0).sample(configs, min(len(configs), 3000))
+    assert all(not infeasible_reasons(c, recipe, CPU) for c in sample)
     assert len({c.key() for c in configs}) == len(configs), "the enumeration repeats a config"
 
 

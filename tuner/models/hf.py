@@ -138,8 +138,25 @@ def resolved(config_json: str) -> Any:
     return AutoConfig.for_model(model_type, **data)
 
 
+# The last configs' cache keys, by object: the space's enumeration asks for the same recipe's
+# config hundreds of thousands of times, and dumping it to JSON each time was a third of it. The
+# entry holds the dict itself, so its id cannot be reused while it is cached.
+_KEYS: dict[int, tuple[dict[str, Any], str]] = {}
+
+
+def _key(config: dict[str, Any]) -> str:
+    hit = _KEYS.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    if len(_KEYS) >= 64:
+        _KEYS.clear()
+    key = json.dumps(config, sort_keys=True)
+    _KEYS[id(config)] = (config, key)
+    return key
+
+
 def hf_config(m: ModelSpec) -> Any:
-    return resolved(json.dumps(m.config, sort_keys=True))
+    return resolved(_key(m.config))
 
 
 def resolve_model(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
@@ -200,7 +217,7 @@ class HFFamily(ModelFamily):
         return super().check_field(field, value, values)
 
     def _c(self, m: ModelSpec) -> dict[str, int]:
-        return counts(json.dumps(m.config, sort_keys=True))
+        return counts(_key(m.config))
 
     def tied(self, m: ModelSpec) -> bool:
         return bool(self._c(m)["tied"])
