@@ -123,8 +123,19 @@ def catalog() -> list[dict[str, Any]]:
         schema = family.options_model.model_json_schema()
         package, version = plugin_package(name)
         out.append({"name": name, "kind": "plugin", "description": family.description,
-                    "package": package, "version": version, "options": schema})  # fmt: skip
+                    "package": package, "version": version, "options": schema,
+                    "example": _example(name, family)})  # fmt: skip
     return out
+
+
+def _example(name: str, family: PluginFamily) -> dict[str, Any]:
+    """A model section naming the plugin with its default options written out (just the name
+    when an option has no default)."""
+    try:
+        options = family.options_model().model_dump(mode="json")
+    except ValidationError:
+        options = {}
+    return {"family": "plugin", "plugin": name, "seq_len": 64, "options": options}
 
 
 class _PluginSlot(ModelFamily):
