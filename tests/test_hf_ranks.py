@@ -1,5 +1,6 @@
 """An hf (transformers) qwen2 as real groups of gloo ranks: dp2, tp2 (from the model's own
-base_model_tp_plan), and pp2 (by the decoder layer list) train the same model as one process."""
+base_model_tp_plan), pp2 (by the decoder layer list) and FSDP2 over dp2 (transformers' modules
+sharded by `fully_shard`) train the same model as one process."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ SPLITS = {
     "dp2": {"dp": 2},
     "tp2": {"tp": 2, "recompute": "selective", "recompute_layers": 0.5},
     "pp2": {"pp": 2, "recompute": "full"},
+    "fsdp2": {"dp": 2, "dp_shard": "fsdp"},
 }
 
 
@@ -51,3 +53,7 @@ def test_every_split_trains_the_same_hf_model_as_one_process(tmp_path, cache_dir
         assert all(total / 2 < r["params"] < 0.55 * total for r in run.ranks()), [
             r["params"] for r in run.ranks()
         ]
+    if split == "fsdp2":
+        # Each rank holds half of every parameter (FSDP2 shards dim 0; odd sizes pad a little).
+        total = single["extra"]["ranks"][0]["params"]
+        assert all(r["fsdp"] and r["params"] == pytest.approx(total / 2, rel=0.02) for r in run.ranks())

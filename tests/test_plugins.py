@@ -5,16 +5,9 @@ to end through a real `tuner serve`."""
 
 from __future__ import annotations
 
-import importlib
-import site
-import subprocess
-import sys
-import sysconfig
-from importlib.metadata import entry_points
-from pathlib import Path
-
 import pytest
 import torch
+from plugin_env import install_test_plugin
 from test_api import _fields, _submit, auth, client, url  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
@@ -24,7 +17,6 @@ from tuner.models import family_of
 from tuner.recipe import RecipeError, recipe_from_dict
 from tuner.workload.model import build_model
 
-PACKAGE = Path(__file__).parent / "plugins" / "tuner-test-plugin"
 MODEL = {
     "family": "plugin",
     "plugin": "tiny-moe",
@@ -35,29 +27,7 @@ MODEL = {
 
 @pytest.fixture(scope="module", autouse=True)
 def installed_plugin():
-    """The test plugin installed the way an operator installs one (pip, editable here)."""
-    if not any(ep.name == "tiny-moe" for ep in entry_points(group="tuner.models")):
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--no-build-isolation",
-                "-e",
-                str(PACKAGE),
-            ],
-            check=True,
-        )
-        # An editable install takes effect through a .pth file, which Python reads at start-up:
-        # read it now, so this process imports the plugin as a freshly started one would.
-        importlib.invalidate_caches()
-        site.addsitedir(sysconfig.get_paths()["purelib"])
-        from tuner.models import plugins
-
-        plugins.installed.cache_clear()
+    install_test_plugin()
 
 
 def recipe_text(model: str) -> str:
@@ -118,6 +88,13 @@ def test_models_are_listed_with_option_schemas(client, auth):  # noqa: F811
     assert {"llama", "qwen2", "mistral"} <= set(hf["model_types"])
     moe = next(p for p in body["plugins"] if p["name"] == "tiny-moe")
     assert moe["options"]["properties"]["experts"]["minimum"] == 1
+    assert (moe["package"], moe["version"]) == ("tuner-test-plugin", "0.1.0")
+    # Each example (the dashboard's "Start from") is a model section that validates as it is.
+    examples = [f["example"] for f in body["families"] if "example" in f]
+    examples += [p["example"] for p in body["plugins"]]
+    assert {e["family"] for e in examples} == {"gpt", "llama", "hf", "plugin"}
+    for example in examples:
+        assert recipe_from_dict({"name": "x", "model": example}).model.family == example["family"]
     out = " ".join(CliRunner().invoke(app, ["models"]).output.split())
     assert "tiny-moe:" in out and "options.experts: integer Expert MLPs per block. (default 4)" in out
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from plugin_env import install_test_plugin
 
 from tuner.config import KNOBS, infeasible_reasons
 from tuner.devices import describe
@@ -41,6 +42,7 @@ def test_every_shipped_space_loads_with_values_its_family_supports(path):
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_cpu_space_yields_only_feasible_configs_for_the_example_recipes(path):
+    install_test_plugin()  # recipes/plugin-tiny-moe.yaml names the test plugin
     recipe = cpu_recipe(path)
     configs = list(load_space("cpu").configs(recipe, CPU))
     assert configs

@@ -3,17 +3,52 @@ environment that changed its speed and, for a compiled config, the build's compi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tuner.build.base import KERNELS_TAR
+from tuner.models.base import Requirement
+
+if TYPE_CHECKING:
+    from tuner.recipe import Recipe
+    from tuner.result import TrialSpec
 
 # Environment of the measured run that changes its speed; launch.sh exports what is set here.
 _LAUNCH_ENV = re.compile(
     r"^(OMP_NUM_THREADS|MKL_NUM_THREADS|CUDA_VISIBLE_DEVICES|ASCEND_RT_VISIBLE_DEVICES|"
     r"PYTORCH_CUDA_ALLOC_CONF|PYTORCH_NPU_ALLOC_CONF|NCCL_\w+|TORCH_NCCL_\w+|HCCL_\w+|GLOO_\w+)$"
 )
+
+
+def write_launch(
+    stage: Path,
+    spec: TrialSpec,
+    recipe: Recipe,
+    trial: int,
+    study: str,
+    tokens: float | None,
+    device: str,
+    compiled: bool = False,
+) -> list[Requirement]:
+    """spec.json (`spec`, the config to reproduce) and launch.sh into `stage`; returns what the
+    model needs installed besides this project (launch.sh checks it first; config.json lists it)."""
+    from tuner.config import Config
+    from tuner.models import family_of
+
+    requires = family_of(recipe.model).requires(recipe.model)
+    world = Config.from_params(spec.config).world_size
+    (stage / "spec.json").write_text(json.dumps(spec.to_dict(), indent=1))
+    launch = stage / "launch.sh"
+    launch.write_text(
+        launch_script(trial, study, world, tokens, device, compiled, recipe.hardware.nodes, requires)
+    )
+    launch.chmod(0o755)
+    return requires
 
 
 def launch_script(
@@ -24,6 +59,7 @@ def launch_script(
     device: str,
     compiled: bool = False,
     nodes: int = 1,
+    requires: Sequence[Requirement] = (),
 ) -> str:
     env = {k: v for k, v in sorted(os.environ.items()) if _LAUNCH_ENV.match(k)}
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) or "# (none set)\n"
@@ -35,17 +71,18 @@ export TORCHINDUCTOR_CACHE_DIR="$PWD/run/inductor"
 if [ -f compile-cache.bin ]; then export TUNER_COMPILE_CACHE="$PWD/compile-cache.bin"; fi
 """
     measured = f"{tokens:,.0f} tokens/s" if tokens else "its throughput"
+    exports += _INTERPRETER + _checks(requires)
     if nodes > 1:
         return _multi_node(trial, study, world, measured, device, exports, nodes)
     return f"""#!/usr/bin/env bash
 # Reproduces trial {trial} of study {study}: the measured config ({measured} on {device}).
 # Runs {world} rank(s) of `python -m tuner.workload spec.json` under torchrun; rank 0 prints the
-# result and writes it to run/result.json. Needs this project installed (`pip install training-tuner`).
+# result and writes it to run/result.json. Needs this project installed (`pip install training-tuner`);
+# PYTHON picks the interpreter (default python3).
 set -euo pipefail
 cd "$(dirname "${{BASH_SOURCE[0]}}")"
 # Environment of the measured run:
-{exports}if command -v torchrun >/dev/null 2>&1; then run=(torchrun); else run=("${{PYTHON:-python3}}" -m torch.distributed.run); fi
-"${{run[@]}}" --standalone --nproc-per-node {world} -m tuner.workload spec.json
+{exports}"${{run[@]}}" --standalone --nproc-per-node {world} -m tuner.workload spec.json
 """
 
 
@@ -66,7 +103,39 @@ cd "$(dirname "${{BASH_SOURCE[0]}}")"
 : "${{NODE_RANK:?set NODE_RANK to this node's index, 0..{nodes - 1}}}"
 : "${{MASTER_ADDR:?set MASTER_ADDR to node 0's address}}"
 # Environment of the measured run:
-{exports}if command -v torchrun >/dev/null 2>&1; then run=(torchrun); else run=("${{PYTHON:-python3}}" -m torch.distributed.run); fi
-"${{run[@]}}" --nnodes={nodes} --node-rank="$NODE_RANK" --rdzv-endpoint="$MASTER_ADDR:${{MASTER_PORT:-29500}}" \\
+{exports}"${{run[@]}}" --nnodes={nodes} --node-rank="$NODE_RANK" --rdzv-endpoint="$MASTER_ADDR:${{MASTER_PORT:-29500}}" \\
     --nproc-per-node {per_node} -m tuner.workload spec.json
 """
+
+
+# torchrun is `python -m torch.distributed.run`: run it from one interpreter, so what the checks
+# below find installed is what the ranks import.
+_INTERPRETER = """# One interpreter (PYTHON, default python3) for the checks and torchrun (torch.distributed.run):
+py="${PYTHON:-python3}"
+run=("$py" -m torch.distributed.run)
+"""
+
+
+def _checks(requires: Sequence[Requirement]) -> str:
+    """One shell line per requirement: a missing one stops launch.sh with one line saying what to
+    install, before torchrun starts ranks that would each fail with a traceback."""
+    if not requires:
+        return ""
+    lines = ["# What the model needs installed besides this project:"]
+    for r in requires:
+        if r.entry_point:
+            group, name = (json.dumps(part) for part in r.entry_point)
+            code = f"import sys, importlib.metadata as m; sys.exit(not m.entry_points(group={group}, name={name}))"
+        else:
+            code = f"import sys, importlib.util as u; sys.exit(u.find_spec({json.dumps(r.module)}) is None)"
+        had = f" (package {r.package} {r.version} in the measured run)" if r.version else ""
+        message = (
+            f"launch.sh: this config needs {r.what}{had}, which $py does not have; install it: {r.install}"
+        )
+        lines.append(f'"$py" -c {shlex.quote(code)} 2>/dev/null || {{ echo "{_dq(message)}" >&2; exit 1; }}')
+    return "\n".join(lines) + "\n"
+
+
+def _dq(text: str) -> str:
+    """`text` inside double quotes, with $py left to expand."""
+    return re.sub(r'(["`\\]|\$(?!py\b))', r"\\\1", text)

@@ -18,12 +18,13 @@ from typing import Any
 from tuner.artifacts import ArtifactStore, write_manifest
 from tuner.build.base import KERNELS_TAR, BuildError, BuildRecord
 from tuner.build.kernels import collect_compiled, pack_compiled_kernels
-from tuner.build.launch import launch_script
+from tuner.build.launch import write_launch
 from tuner.build.phases import run_phase
 from tuner.build.register import register
 from tuner.build.report import cache_misses, summary_lines
 from tuner.build.select import build_plan, load_trial
 from tuner.config import Config
+from tuner.models.base import Requirement
 from tuner.recipe import Recipe
 from tuner.record import keys
 from tuner.result import TrialResult, TrialSpec
@@ -173,31 +174,26 @@ def _stage(p: _Plan, ph: _Phases) -> tuple[Path, BuildRecord]:
         tag=f"launch-{p.number}",
         timeout_s=p.recipe.measure.timeout_s,
     )
-    (stage / "spec.json").write_text(json.dumps(launch_spec.to_dict(), indent=1))
-    launch = stage / "launch.sh"
     tokens = p.measured.get(keys.TOKENS_PER_S)
-    launch.write_text(
-        launch_script(
-            p.number,
-            p.study,
-            p.config.world_size,
-            tokens,
-            describe(p.family).name,
-            bool(caches),
-            p.recipe.hardware.nodes,
-        )
-    )
-    launch.chmod(0o755)
+    device = describe(p.family).name
+    requires = write_launch(stage, launch_spec, p.recipe, p.number, p.study, tokens, device, bool(caches))
     (stage / "logs").mkdir()
     for phase in ("cold", "warm"):
         if (p.work / phase / "trial.log").is_file():
             shutil.copy(p.work / phase / "trial.log", stage / "logs" / f"{phase}.log")
     record.summary = _summary(p, ph, record, index)
-    _write_config(stage, p, ph, record, caches)
+    _write_config(stage, p, ph, record, caches, requires)
     return stage, record
 
 
-def _write_config(stage: Path, p: _Plan, ph: _Phases, record: BuildRecord, caches: dict[str, str]) -> None:
+def _write_config(
+    stage: Path,
+    p: _Plan,
+    ph: _Phases,
+    record: BuildRecord,
+    caches: dict[str, str],
+    requires: list[Requirement],
+) -> None:
     from tuner.devices import describe
     from tuner.fingerprint import fingerprint
 
@@ -220,6 +216,7 @@ def _write_config(stage: Path, p: _Plan, ph: _Phases, record: BuildRecord, cache
     config = {
         "study": p.study, "trial": p.number, "config": p.config.to_dict(), "built_config": p.built.to_dict(),
         "recipe": p.recipe.to_dict(), "measured": p.measured, "build": build,
+        "requires": [dataclasses.asdict(r) for r in requires],  # needed besides this project
     }  # fmt: skip
     (stage / "config.json").write_text(json.dumps(config, indent=1))
     created = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

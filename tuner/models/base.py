@@ -8,12 +8,32 @@ parallel plan, initialisation) sits in `<family>_nn.py` and loads only in a tria
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
 
     from tuner.recipe import ModelSpec
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What a model needs installed beyond this project to be built: a module to import or an
+    entry point (a plugin), from a pip `package`; `version` is the one the measured run had.
+    A build's launch.sh checks each before it starts any rank."""
+
+    what: str  # in the user's words: "transformers", "the model plugin 'tiny-moe'"
+    package: str
+    version: str | None = None
+    module: str | None = None
+    entry_point: tuple[str, str] | None = None  # (group, name)
+
+    @property
+    def install(self) -> str:
+        return (
+            f"pip install '{self.package}=={self.version}'" if self.version else f"pip install {self.package}"
+        )
 
 
 class ModelFamily:
@@ -31,7 +51,8 @@ class ModelFamily:
     - `attention_flops_share(m)`: the attention part of a block's FLOPs (selective recompute);
     - `stage_layers(m, stage, stages)`: the decoder layers a pipeline stage owns;
     - `build(m, attention)`: the torch module, on whatever device is current (the workload uses
-      `meta`); `parallelize(model, tp_mesh, sequence_parallel)`; `init_rule(m)`.
+      `meta`); `parallelize(model, tp_mesh, sequence_parallel)`; `init_rule(m)`;
+    - `requires(m)`: what must be installed besides this project to build it (`Requirement`).
     """
 
     name: str = ""
@@ -107,6 +128,10 @@ class ModelFamily:
 
     def shape_reasons(self, m: ModelSpec, tp: int, pp: int, sequence_parallel: bool) -> list[tuple[str, str]]:
         """(recipe field, reason) for splits this family cannot run, beyond the shared shape rules."""
+        return []
+
+    def requires(self, m: ModelSpec) -> list[Requirement]:
+        """What a machine needs installed, beyond this project, to build this model."""
         return []
 
     # --- torch side (loaded lazily) --------------------------------------------------------

@@ -21,7 +21,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
-from tuner.models.base import ModelFamily, register
+from tuner.models.base import ModelFamily, Requirement, register
 
 if TYPE_CHECKING:
     from tuner.recipe import ModelSpec
@@ -250,6 +250,15 @@ class HFFamily(ModelFamily):
         if self.tied(m) and first and last:
             return m.vocab * m.hidden
         return m.vocab * m.hidden * (int(first) + int(last))
+
+    def requires(self, m: ModelSpec) -> list[Requirement]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            have = version("transformers")
+        except PackageNotFoundError:
+            have = None
+        return [Requirement("transformers", "transformers", have, module="transformers")]
 
     def shape_reasons(self, m: ModelSpec, tp: int, pp: int, sequence_parallel: bool) -> list[tuple[str, str]]:
         from tuner.models.hf_nn import unsupported_tp_styles

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from tuner.models.base import ModelFamily, register
+from tuner.models.base import ModelFamily, Requirement, register
 
 if TYPE_CHECKING:
     from tuner.recipe import ModelSpec
@@ -44,11 +44,25 @@ class PluginFamily(ModelFamily):
     def options(self, m: ModelSpec) -> BaseModel:
         return self.options_model.model_validate(m.options or {})
 
+    def requires(self, m: ModelSpec) -> list[Requirement]:
+        package, version = plugin_package(self.name)
+        return [
+            Requirement(f"the model plugin {self.name!r}", package, version, entry_point=(GROUP, self.name))
+        ]
+
 
 @functools.cache
 def installed() -> dict[str, Any]:
     """Installed plugin name -> its entry point (not loaded)."""
     return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def plugin_package(name: str) -> tuple[str, str | None]:
+    """The pip package (and its version) that installed plugin `name`'s entry point."""
+    dist = getattr(installed()[name], "dist", None)
+    if dist is None:  # an entry point not from an installed distribution
+        return name, None
+    return dist.metadata["Name"], dist.version
 
 
 @functools.cache
@@ -107,8 +121,21 @@ def catalog() -> list[dict[str, Any]]:
             out.append({"name": name, "kind": "plugin", "error": str(err).splitlines()[0]})
             continue
         schema = family.options_model.model_json_schema()
-        out.append({"name": name, "kind": "plugin", "description": family.description, "options": schema})
+        package, version = plugin_package(name)
+        out.append({"name": name, "kind": "plugin", "description": family.description,
+                    "package": package, "version": version, "options": schema,
+                    "example": _example(name, family)})  # fmt: skip
     return out
+
+
+def _example(name: str, family: PluginFamily) -> dict[str, Any]:
+    """A model section naming the plugin with its default options written out (just the name
+    when an option has no default)."""
+    try:
+        options = family.options_model().model_dump(mode="json")
+    except ValidationError:
+        options = {}
+    return {"family": "plugin", "plugin": name, "seq_len": 64, "options": options}
 
 
 class _PluginSlot(ModelFamily):

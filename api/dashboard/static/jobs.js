@@ -1,5 +1,7 @@
-// The jobs page: every job with its progress, filtered by state, and the recipe submission form.
+// The jobs page: every job with its progress, filtered by state, and the recipe submission form
+// with the models a recipe can name.
 import { api, age, badge, el, num, showError } from "./common.js";
+import { loadModels } from "./models.js";
 
 const REFRESH_MS = 3000;
 const stateFilter = document.getElementById("state-filter");
@@ -104,5 +106,6 @@ form.addEventListener("submit", async (ev) => {
 stateFilter.addEventListener("change", loadJobs);
 loadJobs();
 loadStudies();
+loadModels(text, result);
 setInterval(loadJobs, REFRESH_MS);
 setInterval(loadStudies, 5 * REFRESH_MS);
