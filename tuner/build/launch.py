@@ -71,9 +71,9 @@ export TORCHINDUCTOR_CACHE_DIR="$PWD/run/inductor"
 if [ -f compile-cache.bin ]; then export TUNER_COMPILE_CACHE="$PWD/compile-cache.bin"; fi
 """
     measured = f"{tokens:,.0f} tokens/s" if tokens else "its throughput"
-    exports += _INTERPRETER + _checks(requires)
+    setup = exports + _INTERPRETER + _checks(requires)  # the environment, then the interpreter and checks
     if nodes > 1:
-        return _multi_node(trial, study, world, measured, device, exports, nodes)
+        return _multi_node(trial, study, world, measured, device, setup, nodes)
     return f"""#!/usr/bin/env bash
 # Reproduces trial {trial} of study {study}: the measured config ({measured} on {device}).
 # Runs {world} rank(s) of `python -m tuner.workload spec.json` under torchrun; rank 0 prints the
@@ -82,12 +82,12 @@ if [ -f compile-cache.bin ]; then export TUNER_COMPILE_CACHE="$PWD/compile-cache
 set -euo pipefail
 cd "$(dirname "${{BASH_SOURCE[0]}}")"
 # Environment of the measured run:
-{exports}"${{run[@]}}" --standalone --nproc-per-node {world} -m tuner.workload spec.json
+{setup}"${{run[@]}}" --standalone --nproc-per-node {world} -m tuner.workload spec.json
 """
 
 
 def _multi_node(
-    trial: int, study: str, world: int, measured: str, device: str, exports: str, nodes: int
+    trial: int, study: str, world: int, measured: str, device: str, setup: str, nodes: int
 ) -> str:
     per_node = world // nodes
     return f"""#!/usr/bin/env bash
@@ -103,7 +103,7 @@ cd "$(dirname "${{BASH_SOURCE[0]}}")"
 : "${{NODE_RANK:?set NODE_RANK to this node's index, 0..{nodes - 1}}}"
 : "${{MASTER_ADDR:?set MASTER_ADDR to node 0's address}}"
 # Environment of the measured run:
-{exports}"${{run[@]}}" --nnodes={nodes} --node-rank="$NODE_RANK" --rdzv-endpoint="$MASTER_ADDR:${{MASTER_PORT:-29500}}" \\
+{setup}"${{run[@]}}" --nnodes={nodes} --node-rank="$NODE_RANK" --rdzv-endpoint="$MASTER_ADDR:${{MASTER_PORT:-29500}}" \\
     --nproc-per-node {per_node} -m tuner.workload spec.json
 """
 
