@@ -118,12 +118,15 @@ def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
 
 def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Estimate:
     state = _state_bytes(recipe, config, stage)
-    activations, logits = _activation_bytes(recipe, config, device, stage)
+    activations, logits, workspace = _activation_bytes(recipe, config, device, stage)
     overhead = FAMILY_OVERHEAD_BYTES.get(device.family, 256 * MiB)
     if config.amp != "O0":
         overhead += LOW_PRECISION_KERNEL_BYTES.get(device.family, 0)
     held = state.params + state.states + state.buckets  # alive through the whole step
-    backward = held + state.gathered + state.accumulated + activations + logits
+    # The loss's temporaries are freed before the first block's backward, where one block's
+    # workspace (its recomputed activations, its activation gradients) appears: never both.
+    saved = activations - workspace
+    backward = held + state.gathered + state.accumulated + saved + max(logits, workspace)
     optimizer = held + state.grads + state.step
     return Estimate(
         peak_mem_bytes=int(max(backward, optimizer) + overhead),
@@ -234,8 +237,9 @@ def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str
     return {"none": full, "full": bsh * resid // seq, "selective": selective}
 
 
-def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> tuple[int, int]:
-    """(tensors saved for backward with every microbatch in flight, fp32 logits at the loss)."""
+def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> tuple[int, int, int]:
+    """(tensors saved for backward with every microbatch in flight plus one block's workspace,
+    the loss's temporaries over the logits, that workspace)."""
     m, c = recipe.model, config
     family = family_of(m)
     last = stage == c.pp - 1
@@ -250,7 +254,8 @@ def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage:
     n_micro = microbatches(c, recipe)
     in_flight = 1 if c.pp == 1 else (n_micro if c.pp_schedule == "gpipe" else min(c.pp - stage, n_micro))
     edge = 2 * b * s * h * resid if last else 0  # final norm input and output
-    activations = in_flight * (saved + edge) + per_layer["none"]  # + one layer recomputed/backward
+    workspace = per_layer["none"]  # one layer recomputed, or its gradients, during its backward
+    activations = in_flight * (saved + edge) + workspace
     if c.amp == "O1":  # autocast's low-precision weight cache
         activations += 2 * family.block_matmul_params(m) * layers // c.tp
     logits = 0
@@ -269,7 +274,7 @@ def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage:
             per_token = 12 + ((low or 4) if c.pp > 1 else 0)
         gpipe = n_micro if c.pp > 1 and c.pp_schedule == "gpipe" else 1
         logits = per_token * b * s * m.vocab // c.tp * gpipe
-    return activations, logits
+    return activations, logits, workspace
 
 
 def _attention_matrix(backend: str, b: int, heads: int, s: int, comp: int, family: str, qkv: int) -> int:
