@@ -8,8 +8,9 @@ framework scratch, kernel code paged in on first use), calibrated from measured 
 
 The peak is the larger of two moments of a step, because not everything lives at once:
 - backward of the last microbatch: weights, optimizer state, DDP's buckets, what the split
-  gathers (FSDP), the gradients of the earlier microbatches, and the activations and the loss's
-  temporaries at their largest (when the loss's backward starts);
+  gathers (FSDP), the gradients of the earlier microbatches, the saved activations, and the
+  larger of the loss's temporaries (when the loss's backward starts) and one block's backward
+  workspace (after the loss's temporaries are freed);
 - the optimizer step: weights, state, buckets, every gradient, and what only the step allocates
   (foreach's temporaries, amp=O2's fp32 gradient copies); the activations are gone by then.
 Gradients of the last microbatch itself grow while its activations are freed, so the first
