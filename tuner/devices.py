@@ -402,10 +402,8 @@ def memory_peak(family: str, baseline: int = 0) -> MemoryPeak:
     return MemoryPeak(growth, growth)
 
 
-# `TUNER_HOST_MEMORY=exact` in a CPU rank's environment: measure the bytes the rank holds.
-HOST_MEMORY_ENV = "TUNER_HOST_MEMORY"
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter; a fixed value turns the dynamic one off
-_MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial threshold
+HOST_MEMORY_ENV = "TUNER_HOST_MEMORY"  # =exact: a CPU rank measures the bytes it holds
+_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES = -3, 128 * 1024  # glibc's mallopt key, its first value
 
 
 def exact_host_memory(family: str) -> bool:
@@ -413,15 +411,11 @@ def exact_host_memory(family: str) -> bool:
     glibc's malloc then maps every block of 128 KiB or more on its own and unmaps it when freed.
     Called before the memory baseline; True when it was done (CPU, glibc, the variable set).
 
-    By default glibc raises that threshold to the largest block freed so far (up to 32 MiB), so
-    after the first step nearly every tensor comes from the heap, and the heap keeps freed chunks
-    resident: the RSS high-water mark then grows step after step with the heap's fragmentation,
-    not with the config (one llama-tiny FSDP rank: 273, 349 MiB after steps 1 and 3, while its
-    tensors peaked at 171 MiB by torch's profiler; 199 MiB in exact mode). Trimming the heap
-    after the timed steps hardly helps (a tp2 rank: 289 MiB, then 286 over one more step): the
-    next step reuses the same fragmented free chunks and touches them again. Exact mode costs
-    page faults on every large allocation (+40% to +70% CPU time per step on llama-tiny), so it
-    is for measuring memory (the estimator's benchmark), not for timing: a study leaves it off.
+    By default glibc raises that threshold to the largest block freed (up to 32 MiB) and its heap
+    keeps freed chunks resident, so the RSS peak grows step after step with the heap's
+    fragmentation, not with the config (numbers in docs/DESIGN.md, "CPU memory"). Exact mode
+    costs page faults on every large allocation (+40% to +70% CPU time per step on llama-tiny):
+    it is for measuring memory (the estimator's benchmark), not for timing.
     """
     if family != "cpu" or os.environ.get(HOST_MEMORY_ENV, "") != "exact":
         return False
