@@ -4,17 +4,21 @@ Runs each recipe's every split of 2 ranks (dp ddp, dp fsdp, tp, tp with sequence
 with a few knob variants through the local executor, and reports the estimator's error
 (estimated - measured peak, % of measured) per split: median |error| and the worst.
 
-    python benchmarks/estimator_splits.py recipes/gpt-tiny.yaml
+    python benchmarks/estimator_splits.py recipes/gpt-tiny.yaml --json gpt.json
     python benchmarks/estimator_splits.py recipes/llama-tiny.yaml --variants mbs4 mbs2-full0.5 mbs8-selective-flash
+    python benchmarks/estimator_splits.py --rescore gpt.json   # the current estimator, no trials
 
 Peaks are resident-set growth per rank on CPU (max over ranks), so other load on the machine
-does not change them; only the wall time grows.
+does not change them; only the wall time grows. `--host-memory exact` (the default) runs the
+ranks with TUNER_HOST_MEMORY=exact, so the peak is what a rank holds rather than what glibc's
+heap kept of freed memory (`tuner.devices.exact_host_memory`); `default` measures as a study does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -44,10 +48,17 @@ DEFAULT_VARIANTS = ("mbs4", "mbs2-O1-full0.5", "mbs8-O2-selective-flash")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("recipes", nargs="+")
+    ap.add_argument("recipes", nargs="*")
     ap.add_argument("--json", help="write every trial's numbers here")
     ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--host-memory", choices=("exact", "default"), default="exact")
+    ap.add_argument("--rescore", help="re-estimate the trials stored in this --json file; run nothing")
     args = ap.parse_args()
+    if args.rescore:
+        rescore(Path(args.rescore))
+        return
+    os.environ["TUNER_HOST_MEMORY"] = args.host_memory  # the ranks inherit it
+    print(f"host memory: {args.host_memory}", flush=True)
 
     from tuner.config import Config
     from tuner.devices import describe
@@ -57,7 +68,7 @@ def main() -> None:
     from tuner.result import TrialSpec
 
     info = describe("cpu")
-    rows, table = [], []
+    rows: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="tuner-est-"))
     for path in args.recipes:
         recipe = load_recipe(path)
@@ -65,7 +76,6 @@ def main() -> None:
             update={"measure": recipe.measure.model_copy(update={"warmup_steps": 1, "steps": 2})}
         )
         for split, knobs in SPLITS.items():
-            errors = []
             for variant in args.variants:
                 extra = VARIANTS[variant]
                 config = Config.from_params(knobs | extra)
@@ -80,25 +90,47 @@ def main() -> None:
                     continue
                 got = result.peak_mem_reserved_bytes
                 err = 100 * (est - got) / got
-                errors.append(err)
-                rows.append({"recipe": recipe.name, "split": split, "variant": variant, "measured": got,
-                             "estimated": est, "error_pct": err})  # fmt: skip
+                rows.append({"recipe": recipe.name, "path": path, "split": split, "variant": variant,
+                             "host_memory": args.host_memory, "measured": got, "estimated": est,
+                             "error_pct": err})  # fmt: skip
                 print(f"{recipe.name} {split} {variant}: measured {got / 2**20:.0f} MiB, "
                       f"estimated {est / 2**20:.0f} MiB, {err:+.1f}%", flush=True)  # fmt: skip
-            if errors:
-                worst = max(errors, key=abs)
-                table.append(
-                    (recipe.name, split, len(errors), statistics.median(abs(e) for e in errors), worst)
-                )
+                if args.json:  # after every trial: a long run stopped early keeps what it measured
+                    Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    """Median |error| and the worst error per recipe and split, then per recipe."""
     print("\n| recipe | split | trials | median abs error | worst error |\n|---|---|---:|---:|---:|")
-    for name, split, n, med, worst in table:
-        print(f"| {name} | {split} | {n} | {med:.1f}% | {worst:+.1f}% |")
-    for name in dict.fromkeys(r["recipe"] for r in rows):
-        errs = [r["error_pct"] for r in rows if r["recipe"] == name]
-        print(f"| {name} | all | {len(errs)} | {statistics.median(abs(e) for e in errs):.1f}% | "
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["recipe"], r["split"]), []).append(r["error_pct"])
+    for r in rows:
+        groups.setdefault((r["recipe"], "**all**"), []).append(r["error_pct"])
+    for (name, split), errs in sorted(groups.items(), key=lambda kv: (kv[0][1] == "**all**", kv[0][0])):
+        print(f"| {name} | {split} | {len(errs)} | {statistics.median(abs(e) for e in errs):.1f}% | "
               f"{max(errs, key=abs):+.1f}% |")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def rescore(path: Path) -> None:
+    """The stored trials' measured peaks against what the estimator predicts now."""
+    from tuner.config import Config
+    from tuner.devices import describe
+    from tuner.estimate import estimate
+    from tuner.recipe import load_recipe
+
+    info = describe("cpu")
+    rows = json.loads(path.read_text())
+    for r in rows:
+        recipe = load_recipe(r["path"])
+        config = Config.from_params(SPLITS[r["split"]] | VARIANTS[r["variant"]])
+        r["estimated"] = estimate(recipe, config, info).peak_mem_bytes
+        r["error_pct"] = 100 * (r["estimated"] - r["measured"]) / r["measured"]
+        print(f"{r['recipe']} {r['split']} {r['variant']}: measured {r['measured'] / 2**20:.0f} MiB, "
+              f"estimated {r['estimated'] / 2**20:.0f} MiB, {r['error_pct']:+.1f}%")  # fmt: skip
+    print(f"host memory: {rows[0].get('host_memory', 'default')}" if rows else "no trials")
+    print_table(rows)
 
 
 if __name__ == "__main__":

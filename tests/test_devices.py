@@ -3,6 +3,7 @@ capabilities, peak FLOP/s and the CPU peak-memory reading."""
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -196,6 +197,38 @@ def test_cuda_memory_reports_fragmentation_from_the_allocator_peaks(monkeypatch)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: stats)
     peak = devices.memory_peak("cuda")
     assert (peak.allocated, peak.reserved, peak.active, peak.fragmentation) == (700, 1000, 760, 300)
+
+
+# In a fresh process: free a 24 MiB block (glibc then raises its mmap threshold to 24 MiB), then
+# allocate, touch and free 16 MiB, and print how much of it stayed resident.
+_KEPT_AFTER_FREE = """
+import torch
+from tuner import devices
+exact = devices.exact_host_memory("cpu")
+x = torch.ones(24 * 2**20 // 4); del x
+base = devices.reset_peak_memory("cpu")
+y = torch.ones(16 * 2**20 // 4); del y
+print(exact, devices._proc_status_kb("VmRSS") * 1024 - base)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and /proc")
+def test_exact_host_memory_hands_freed_tensors_back(tmp_path):
+    """Why a CPU rank's default peak overstates its memory, and what exact mode changes: glibc's
+    heap keeps a freed 16 MiB tensor resident; in exact mode it leaves the process."""
+    import subprocess
+
+    def kept(mode: str) -> tuple[str, int]:
+        env = {**os.environ, devices.HOST_MEMORY_ENV: mode}
+        out = subprocess.run([sys.executable, "-c", _KEPT_AFTER_FREE], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()  # fmt: skip
+        return out[0], int(out[1])
+
+    exact, exact_kept = kept("exact")
+    default, default_kept = kept("default")
+    assert (exact, default) == ("True", "False")
+    assert default_kept > 12 * 2**20 and exact_kept < 4 * 2**20
 
 
 def test_cpu_memory_has_no_allocator_view():

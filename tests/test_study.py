@@ -421,13 +421,15 @@ def test_measured_peaks_calibrate_the_oom_check(tune, url):
     hardware = {"device": "cpu", "devices": 2, "memory_budget_gb": budget / 2**30}
     recipe = recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update=hardware)})
     assert verdict(big, recipe, CPU).reason is None
-    ex = PeakyExecutor(ratio=1.3)
+    # 1.2: the CPU estimate carries a fixed 74 MiB for what no formula sees (amp=O1), so the
+    # micro-batches' estimates lie close together and a larger factor would push mbs 2 over too.
+    ex = PeakyExecutor(ratio=1.2)
     summary = tune(recipe, ex, trials=10)
     trials = trials_of(summary, url)
     calibrated = [t for t in trials if "as measured peaks ran" in t.user_attrs.get("pruned_reason", "")]
     assert calibrated, [t.user_attrs.get("pruned_reason") for t in trials]
     assert all(t.params["micro_batch_size"] == 8 for t in calibrated)
-    assert max(t.user_attrs.get("estimator_calibration", 1) for t in trials) == pytest.approx(1.3, rel=0.01)
+    assert max(t.user_attrs.get("estimator_calibration", 1) for t in trials) == pytest.approx(1.2, rel=0.01)
     # Only the baseline, asked before anything was measured, ran at micro-batch 8.
     assert sum(Config(**s.config).micro_batch_size == 8 for s in ex.submitted) == 1
 

@@ -402,6 +402,31 @@ def memory_peak(family: str, baseline: int = 0) -> MemoryPeak:
     return MemoryPeak(growth, growth)
 
 
+HOST_MEMORY_ENV = "TUNER_HOST_MEMORY"  # =exact: a CPU rank measures the bytes it holds
+_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES = -3, 128 * 1024  # glibc's mallopt key, its first value
+
+
+def exact_host_memory(family: str) -> bool:
+    """With `TUNER_HOST_MEMORY=exact`, make a CPU rank's resident set follow its live memory:
+    glibc's malloc then maps every block of 128 KiB or more on its own and unmaps it when freed.
+    Called before the memory baseline; True when it was done (CPU, glibc, the variable set).
+
+    By default glibc raises that threshold to the largest block freed (up to 32 MiB) and its heap
+    keeps freed chunks resident, so the RSS peak grows step after step with the heap's
+    fragmentation, not with the config (numbers in docs/DESIGN.md, "CPU memory"). Exact mode
+    costs page faults on every large allocation (+40% to +70% CPU time per step on llama-tiny):
+    it is for measuring memory (the estimator's benchmark), not for timing.
+    """
+    if family != "cpu" or os.environ.get(HOST_MEMORY_ENV, "") != "exact":
+        return False
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 # The allocator's environment variable per family, and what each `alloc_conf` knob value adds.
 ALLOC_CONF_ENV = {"cuda": "PYTORCH_CUDA_ALLOC_CONF", "npu": "PYTORCH_NPU_ALLOC_CONF"}
 _ALLOC_CONF = {"default": "", "expandable_segments": "expandable_segments:True"}

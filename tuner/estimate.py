@@ -5,6 +5,16 @@ The model: weights, gradients and optimizer state by dtype and sharding; the ten
 saves for backward by micro-batch, recompute, tensor/pipeline split and dtype; the fp32 loss over
 the logits; plus a constant per device family for what no formula sees (allocator caching,
 framework scratch, kernel code paged in on first use), calibrated from measured trials below.
+
+The peak is the larger of two moments of a step, because not everything lives at once:
+- backward of the last microbatch: weights, optimizer state, DDP's buckets, what the split
+  gathers (FSDP), the gradients of the earlier microbatches, the saved activations, and the
+  larger of the loss's temporaries (when the loss's backward starts) and one block's backward
+  workspace (after the loss's temporaries are freed);
+- the optimizer step: weights, state, buckets, every gradient, and what only the step allocates
+  (foreach's temporaries, amp=O2's fp32 gradient copies); the activations are gone by then.
+Gradients of the last microbatch itself grow while its activations are freed, so the first
+moment counts none of them.
 """
 
 from __future__ import annotations
@@ -20,16 +30,22 @@ from tuner.workload.flops import flops_per_step
 GiB = 2**30
 MiB = 2**20
 
-# What the formulas cannot see, per family: measured peak minus the analytic terms.
-# cpu: 30 MiB. It was 62 MiB (the median of measured - analytic over 14 real trials, 43-77 MiB,
-# not growing with the model: libtorch/oneDNN code and gloo buffers paged in on first use, which
-# the workload counts because it measures RSS growth from before the model is built). Since the
-# model is built on the meta device the rank imports the dynamo stack with its code, before the
-# baseline, and about 32 MiB of that first-use paging moved out of the measured peak.
+# What the formulas cannot see, per family: measured peak minus the tensors' peak.
+# cpu: 50 MiB, measured as a trial rank's resident-set growth in exact host memory
+# (`tuner.devices.exact_host_memory`) minus its tensors' peak by torch's profiler on five fp32
+# llama-tiny configs (dp ddp/fsdp, tp; 47 to 56 MiB). Most of it is library code: a rank forked
+# from the warm helper starts without the helper's file-backed pages mapped and faults in every
+# code page it runs (a forked child re-faulted 23 MiB of code to repeat a step its parent had
+# run); the rest is gloo's buffers, Python objects and thread stacks. It was 30 MiB when the
+# measured peak was the default RSS, whose glibc heap retention hid part of it.
 # tests/test_estimate.py re-measures three configs and prints the errors (`pytest -s`).
 # cuda/npu: not calibrated on hardware yet; cuBLAS/cuDNN (or CANN) workspaces and the caching
 # allocator's rounding are typically tens of MiB, so a conservative 256 MiB is assumed.
-FAMILY_OVERHEAD_BYTES = {"cpu": 30 * MiB, "cuda": 256 * MiB, "npu": 256 * MiB}
+FAMILY_OVERHEAD_BYTES = {"cpu": 50 * MiB, "cuda": 256 * MiB, "npu": 256 * MiB}
+# Low-precision matmuls on CPU run through oneDNN, which JIT-compiles and caches a kernel per
+# shape: the same eight Linear forward/backward passes grew a fresh process by 39 MiB in bf16
+# against 15 MiB in fp32 (tensors freed, exact host memory), so amp O1/O2 on CPU adds 24 MiB.
+LOW_PRECISION_KERNEL_BYTES = {"cpu": 24 * MiB}
 
 _OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}  # fp32 tensors per parameter
 
@@ -49,13 +65,17 @@ class Estimate:
     flops_per_step: float  # model FLOPs of one optimizer step over the global batch
     hardware_flops_per_step: float  # including recompute
     stage: int  # the pipeline stage the peak belongs to
+    accumulated_grads_bytes: int = 0  # gradients of earlier microbatches, alive in the last one's backward
+    optimizer_step_bytes: int = 0  # the part of optimizer_bytes that exists only while stepping
+    peak_phase: str = "backward"  # the moment that sets the peak: backward | optimizer
 
-    def breakdown(self) -> dict[str, float]:
+    def breakdown(self) -> dict[str, float | str]:
         """Every term in GiB (and the FLOPs in TFLOP), for tables and trial evidence."""
         out = {k: v / GiB for k, v in asdict(self).items() if k.endswith("_bytes")}
         out["flops_per_step_tflop"] = self.flops_per_step / 1e12
         out["hardware_flops_per_step_tflop"] = self.hardware_flops_per_step / 1e12
         out["stage"] = self.stage
+        out["peak_phase"] = self.peak_phase
         return out
 
 
@@ -98,22 +118,32 @@ def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
 
 
 def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Estimate:
-    params, grads, states, comm = _state_bytes(recipe, config, stage)
-    activations, logits = _activation_bytes(recipe, config, device, stage)
+    state = _state_bytes(recipe, config, stage)
+    activations, logits, workspace = _activation_bytes(recipe, config, device, stage)
     overhead = FAMILY_OVERHEAD_BYTES.get(device.family, 256 * MiB)
-    peak = params + grads + states + comm + activations + logits + overhead
+    if config.amp != "O0":
+        overhead += LOW_PRECISION_KERNEL_BYTES.get(device.family, 0)
+    held = state.params + state.states + state.buckets  # alive through the whole step
+    # The loss's temporaries are freed before the first block's backward, where one block's
+    # workspace (its recomputed activations, its activation gradients) appears: never both.
+    saved = activations - workspace
+    backward = held + state.gathered + state.accumulated + saved + max(logits, workspace)
+    optimizer = held + state.grads + state.step
     return Estimate(
-        peak_mem_bytes=int(peak),
-        params_bytes=int(params),
-        grads_bytes=int(grads),
-        optimizer_bytes=int(states),
+        peak_mem_bytes=int(max(backward, optimizer) + overhead),
+        params_bytes=int(state.params),
+        grads_bytes=int(state.grads),
+        optimizer_bytes=int(state.states + state.step),
         activation_bytes=int(activations),
         logits_bytes=int(logits),
-        comm_bytes=int(comm),
+        comm_bytes=int(state.buckets + state.gathered),
         overhead_bytes=int(overhead),
         flops_per_step=0.0,
         hardware_flops_per_step=0.0,
         stage=stage,
+        accumulated_grads_bytes=int(state.accumulated),
+        optimizer_step_bytes=int(state.step),
+        peak_phase="backward" if backward >= optimizer else "optimizer",
     )
 
 
@@ -132,8 +162,20 @@ def _stage_params(recipe: Recipe, config: Config, stage: int) -> tuple[int, int]
     return (m.layers // c.pp) * block + root, root
 
 
-def _state_bytes(recipe: Recipe, config: Config, stage: int) -> tuple[int, int, int, int]:
-    """(parameters, gradients, optimizer state, communication buffers) of one rank of `stage`."""
+@dataclass(frozen=True)
+class _State:
+    """Bytes of one rank's weights, gradients and optimizer, by when they are alive."""
+
+    params: int
+    grads: int  # all of this rank's gradients, as the optimizer steps on them
+    states: int  # optimizer states (and amp=O2's fp32 master weights): always alive
+    step: int  # alive only while the optimizer steps
+    buckets: int  # DDP's bucket buffers: always alive
+    gathered: int  # FSDP's unsharded parameters during forward and backward
+    accumulated: int  # gradients of earlier microbatches during the last one's backward
+
+
+def _state_bytes(recipe: Recipe, config: Config, stage: int) -> _State:
     m, c = recipe.model, config
     fsdp = c.dp > 1 and c.dp_shard == "fsdp"
     n_params, root = _stage_params(recipe, c, stage)
@@ -145,17 +187,24 @@ def _state_bytes(recipe: Recipe, config: Config, stage: int) -> tuple[int, int, 
     params = n_params * p_bytes // shard
     grads = params
     states = _OPTIMIZER_STATES[recipe.train.optimizer] * 4 * n_params // shard
+    step = 0
     if c.amp == "O2" and not fsdp:
-        states += 2 * 4 * n_params  # fp32 master weights and the upcast gradients they step on
+        states += 4 * n_params  # fp32 master weights
+        step += 4 * n_params  # the upcast gradients they step on (freed by the next zero_grad)
     if c.optimizer_impl == "foreach":
-        states += 4 * n_params // shard  # foreach's batched temporaries while stepping
-    comm = 0
-    if c.dp > 1 and not fsdp:
-        comm = grads  # DDP's bucket buffers are a second copy of the gradients
-    elif fsdp:
-        gathered = 2 if c.amp == "O2" else 4
-        comm = (root + block) * gathered * 2  # root stays gathered; one block's params and grads
-    return params, grads, states, comm
+        step += 4 * n_params // shard  # foreach's batched temporaries while stepping
+    buckets = grads if c.dp > 1 and not fsdp else 0  # DDP's buckets are a second copy of the gradients
+    gathered = 0
+    if fsdp:
+        # The root (embedding, final norm, output) stays gathered from the first forward to the
+        # end of backward; a block is gathered for its backward while the next one is prefetched.
+        gathered = (root + 2 * block) * (2 if c.amp == "O2" else 4)
+    accumulated = 0
+    if microbatches(c, recipe) > 1:
+        # FSDP2 without gradient sync keeps every unsharded gradient, in fp32 (its reduce dtype),
+        # until the last microbatch's reduce-scatter; DDP accumulates into the gradients it has.
+        accumulated = 4 * n_params if fsdp else grads
+    return _State(params, grads, states, step, buckets, gathered, accumulated)
 
 
 def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str, int]:
@@ -189,8 +238,9 @@ def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str
     return {"none": full, "full": bsh * resid // seq, "selective": selective}
 
 
-def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> tuple[int, int]:
-    """(tensors saved for backward with every microbatch in flight, fp32 logits at the loss)."""
+def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> tuple[int, int, int]:
+    """(tensors saved for backward with every microbatch in flight plus one block's workspace,
+    the loss's temporaries over the logits, that workspace)."""
     m, c = recipe.model, config
     family = family_of(m)
     last = stage == c.pp - 1
@@ -205,17 +255,27 @@ def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage:
     n_micro = microbatches(c, recipe)
     in_flight = 1 if c.pp == 1 else (n_micro if c.pp_schedule == "gpipe" else min(c.pp - stage, n_micro))
     edge = 2 * b * s * h * resid if last else 0  # final norm input and output
-    activations = in_flight * (saved + edge) + per_layer["none"]  # + one layer recomputed/backward
+    workspace = per_layer["none"]  # one layer recomputed, or its gradients, during its backward
+    activations = in_flight * (saved + edge) + workspace
     if c.amp == "O1":  # autocast's low-precision weight cache
         activations += 2 * family.block_matmul_params(m) * layers // c.tp
     logits = 0
     if last:
-        # fp32 log-softmax output, the incoming gradient and the gradient it produces; with amp
-        # also the low-precision logits and the gradient cast back to them. Sharded over tp.
-        per_token = 12 if c.amp == "O0" else 16
+        # Bytes per logit at the loss's peak, sharded over tp. Whole logits (F.cross_entropy on
+        # an fp32 copy): the log-softmax output, its incoming gradient and the gradient it
+        # produces, when backward starts; the low-precision logits (amp) and their fp32 copy are
+        # freed by then, and the gradient cast back comes after. A pipeline stage also keeps its
+        # output (the logits) in its forward cache until that microbatch's backward.
+        # Vocabulary-parallel (tp > 1): the forward holds the logits, their fp32 copy (amp),
+        # the shifted logits and their exponentials; backward works in place.
+        low = 0 if c.amp == "O0" else 2
+        if c.tp > 1:
+            per_token = 12 + low
+        else:
+            per_token = 12 + ((low or 4) if c.pp > 1 else 0)
         gpipe = n_micro if c.pp > 1 and c.pp_schedule == "gpipe" else 1
         logits = per_token * b * s * m.vocab // c.tp * gpipe
-    return activations, logits
+    return activations, logits, workspace
 
 
 def _attention_matrix(backend: str, b: int, heads: int, s: int, comp: int, family: str, qkv: int) -> int:

@@ -12,6 +12,11 @@ them to make a trial slow or fail on purpose):
   sleep forever, die of SIGSEGV, or allocate and hold that many MiB (trips the memory budget).
 - `TUNER_TEST_FAULT_RANK=<rank>`: the rank the fault hits (default 0).
 
+Measurement hook:
+- `TUNER_HOST_MEMORY=exact`: on CPU, freed memory leaves the process at once, so the peak
+  (resident-set growth) is what the rank really holds rather than what glibc's heap kept; slower
+  steps (`tuner.devices.exact_host_memory`). The estimator's benchmark sets it.
+
 Build hook (a build's launch.sh sets it, next to TORCHINDUCTOR_CACHE_DIR):
 - `TUNER_COMPILE_CACHE=<file>`: load this portable compile cache (a build's compile-cache.bin, from
   `torch.compiler.save_cache_artifacts`) once, before the model is compiled.
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from tuner.devices import (
     alloc_env,
     describe,
+    exact_host_memory,
     is_oom,
     memory_peak,
     peak_memory,
@@ -308,6 +314,7 @@ def main(spec: TrialSpec) -> int:
     """Run one rank of `spec`; the return value is the rank's exit code."""
     # Before the device's allocator starts (the first CUDA/NPU call reads its settings).
     os.environ.update(alloc_env(spec.family, spec.config.get("alloc_conf", "default")))
+    exact_host_memory(spec.family)  # TUNER_HOST_MEMORY=exact: see the module docstring
     # Before the model exists: CPU peak memory is growth of the resident set over this point.
     baseline = reset_peak_memory(spec.family)
     workdir = Path(spec.workdir)
