@@ -86,8 +86,8 @@ def prior(priors: DevicePriors) -> tuple[np.ndarray, np.ndarray]:
     return np.array(mean), np.array(sd)
 
 
-def _active(config: Config, knob: str, value: object) -> bool:
-    c = config.normalized()
+def _active(c: Config, knob: str, value: object) -> bool:
+    """Whether the normalized config `c` has the multiplier's knob value (in effect)."""
     if knob == "loader_workers":
         return c.loader_workers > 0
     if knob == "pp_schedule":
@@ -147,7 +147,9 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
         "amp_O1": col(c.amp == "O1" for c in configs),
         "amp_O2": col(c.amp == "O2" for c in configs),
     }
-    mult = np.array([[_active(c, k, v) for k, v in MULTIPLIERS] for c in configs], dtype=float)
+    # Normalized once per config, not once per multiplier: a plan ranks thousands of configs.
+    normal = [c.normalized() for c in configs]
+    mult = np.array([[_active(c, k, v) for k, v in MULTIPLIERS] for c in normal], dtype=float)
     return Features(cols, mult.reshape(len(configs), len(MULTIPLIERS)))
 
 
