@@ -22,6 +22,7 @@ from seed import seed_job
 from tuner.db import Job, session_scope
 from tuner.migrations import upgrade
 from tuner.perf.predictor import prediction_error
+from tuner.record import keys
 from tuner.record.reader import read_study
 
 pytestmark = pytest.mark.slow
@@ -110,9 +111,9 @@ def test_predictions_against_measurements_and_the_plan_beside_the_study(server, 
     page.wait_for_function("window.__dashboard && window.__dashboard.ready", timeout=30_000)
     study = _study(server, "predicted")
     pairs = [
-        (t.attrs["predicted_tokens_per_s"], t.tokens_per_s)
+        (t.attrs[keys.PREDICTED_TOKENS_PER_S], t.tokens_per_s)
         for t in study.trials
-        if t.completed and t.tokens_per_s and t.attrs.get("predicted_tokens_per_s")
+        if t.completed and t.tokens_per_s and t.attrs.get(keys.PREDICTED_TOKENS_PER_S)
     ]
     median = float(np.median(prediction_error(*zip(*pairs, strict=True))))
 

@@ -17,6 +17,7 @@ from tuner.migrations import upgrade
 from tuner.perf import study_plan
 from tuner.perf.predictor import prediction_error
 from tuner.recipe import recipe_from_dict
+from tuner.record import keys
 from tuner.record.reader import read_study
 from tuner.storage import get_storage
 
@@ -56,9 +57,9 @@ def test_predicted_against_measured_counts_every_predicted_trial(client, db):
     p = _get(client, f"/ui/api/jobs/{db['predicted']}/plots")["predictions"]
     study = _study(db, "predicted")
     pairs = [
-        (t.attrs["predicted_tokens_per_s"], t.tokens_per_s)
+        (t.attrs[keys.PREDICTED_TOKENS_PER_S], t.tokens_per_s)
         for t in study.trials
-        if t.completed and t.tokens_per_s and t.attrs.get("predicted_tokens_per_s")
+        if t.completed and t.tokens_per_s and t.attrs.get(keys.PREDICTED_TOKENS_PER_S)
     ]
     assert p["total"] == len(pairs) > 200
     assert p["sampled"] == len(p["number"]) == len(p["predicted"]) <= SAMPLE_LIMIT
