@@ -3,7 +3,8 @@
 Seeds a job whose study holds N trials into a temporary SQLite database, starts the API server
 (uvicorn, the real app) on a free loopback port, and opens the job page in headless Chromium. The
 page is interactive when the trials table and every plot first rendered (`window.__dashboard.ready`,
-timed from navigation start). The first load meets a cold server (no study cached); the reloads
+timed from navigation start). The performance model's plan is asked for after that (its time to
+drawn is reported beside it). The first load meets a cold server (no study cached); the reloads
 meet a warm one. Also times each aggregate endpoint and its payload.
 
     python benchmarks/dashboard_load.py --trials 10000 --reloads 3
@@ -44,7 +45,7 @@ ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-ENDPOINTS = ("overview", "trials?size=50", "trials?size=50&sort=-tokens_per_s&status=ok", "plots")
+ENDPOINTS = ("overview", "trials?size=50", "trials?size=50&sort=-tokens_per_s&status=ok", "plots", "plan")
 
 
 def _free_port() -> int:
@@ -86,7 +87,8 @@ class Load:
     scenario: str
     table_s: float  # the first table page rendered
     interactive_s: float  # table and the history, importance, Pareto and memory plots drawn
-    all_plots_s: float  # plus parallel coordinates (SVG, drawn last)
+    all_plots_s: float  # plus parallel coordinates (SVG)
+    plan_s: float  # the plan's table, asked for once everything above was drawn
     server_cpu_s: float
 
 
@@ -98,6 +100,7 @@ def _load(page, scenario: str, url: str | None, server_pid: int) -> Load:
         page.reload()
     page.wait_for_function("window.__dashboard && window.__dashboard.ready", timeout=120_000)
     page.wait_for_function("'parallel_drawn' in window.__dashboard.timings", timeout=120_000)
+    page.wait_for_function("'plan_drawn' in window.__dashboard.timings", timeout=120_000)
     timings = page.evaluate("window.__dashboard.timings")
     ready = page.evaluate("window.__dashboard.readyAt") / 1000
     rows = page.locator("#trials-table tbody tr").count()
@@ -105,8 +108,9 @@ def _load(page, scenario: str, url: str | None, server_pid: int) -> Load:
     steps = ", ".join(f"{k} {v / 1000:.2f}" for k, v in sorted(timings.items(), key=lambda kv: kv[1]))
     print(f"{scenario}: s from navigation start: {steps}", flush=True)
     return Load(
-        scenario, timings["table"] / 1000, ready, timings["parallel_drawn"] / 1000, _cpu_s(server_pid) - cpu
-    )
+        scenario, timings["table"] / 1000, ready, timings["parallel_drawn"] / 1000, timings["plan_drawn"] / 1000,
+        _cpu_s(server_pid) - cpu,
+    )  # fmt: skip
 
 
 def _plotly_alone(p, base: str) -> float:
@@ -205,7 +209,8 @@ def main() -> None:
         url = f"sqlite:///{Path(tmp) / 'tuner.db'}"
         upgrade(url)
         t0 = time.perf_counter()
-        job_id = seed_job(url, args.trials, seed=0)
+        # With the predictions the model sampler (the default) records before every trial.
+        job_id = seed_job(url, args.trials, seed=0, predictions=True)
         seed_s = time.perf_counter() - t0
 
         reads = _reads(url, job_id)
@@ -223,16 +228,17 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     print(
-        f"{'page load (s from navigation start)':<34}{'table':>7}{'interactive':>13}{'all plots':>11}{'server CPU s':>14}"
+        f"{'page load (s from navigation start)':<34}{'table':>7}{'interactive':>13}{'all plots':>11}"
+        f"{'plan':>7}{'server CPU s':>14}"
     )
     for scenario in ("fresh browser, cold server", "returning browser, cold server", "reload, warm server"):
         group = [x for x in loads if x.scenario == scenario]
         label = scenario if len(group) == 1 else f"{scenario} (median of {len(group)})"
         row = [
             statistics.median(getattr(x, k) for x in group)
-            for k in ("table_s", "interactive_s", "all_plots_s", "server_cpu_s")
+            for k in ("table_s", "interactive_s", "all_plots_s", "plan_s", "server_cpu_s")
         ]
-        print(f"{label:<34}{row[0]:>7.2f}{row[1]:>13.2f}{row[2]:>11.2f}{row[3]:>14.2f}")
+        print(f"{label:<34}{row[0]:>7.2f}{row[1]:>13.2f}{row[2]:>11.2f}{row[3]:>7.2f}{row[4]:>14.2f}")
     print(f"Plotly's bundle alone, fresh browser: {plotly_s:.2f} s to load and run")
     print("reading the study into rows: " + ", ".join(f"from {k} {v:.2f} s" for k, v in reads.items()))
     print(f"\n{'endpoint /ui/api/jobs/ID/...':<46}{'cold s':>12}{'warm s':>12}{'bytes':>10}")
@@ -245,8 +251,8 @@ def main() -> None:
     if worst >= args.target_s:
         verdict = "meets" if server_bound < args.target_s else "misses"
         print(f"{verdict} it once the browser has run Plotly before (worst {server_bound:.2f} s)")
-    print("'interactive': table and history, importance, Pareto and memory plots drawn; 'all plots' adds")
-    print("parallel coordinates (drawn last).")
+    print("'interactive': table and history, importance, Pareto, memory and predicted-vs-measured plots")
+    print("drawn; 'all plots' adds parallel coordinates; 'plan': the plan's table, asked for after those.")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,16 @@ measure those too (4 ranks on fewer cores share them, as the model's oversubscri
 report the prediction error. Every trial is a real run (`tuner.executors.local.run_trial`).
 
     python benchmarks/perf_extrapolate.py recipes/gpt-tiny.yaml --out benchmarks/results/perf-extrapolate.json
+    python benchmarks/perf_extrapolate.py recipes/gpt-tiny.yaml --refit benchmarks/results/perf-extrapolate.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,8 +24,8 @@ from tuner.config import Config
 from tuner.devices import describe
 from tuner.estimate import estimate
 from tuner.executors.local import run_trial
-from tuner.perf.observations import Observation
-from tuner.perf.predictor import Predictor
+from tuner.perf.observations import Observation, relative_sd
+from tuner.perf.predictor import Predictor, prediction_error
 from tuner.recipe import load_recipe
 from tuner.result import TrialSpec
 
@@ -59,44 +63,79 @@ def measure(recipe, config: Config, workdir: Path) -> dict:
     return res.to_dict()
 
 
+def _observation(recipe, config: Config, res: dict) -> Observation:
+    return Observation(recipe, config, "ok", res["tokens_per_s"], relative_sd(res),
+                       res["peak_mem_allocated_bytes"], res["estimated_peak_mem_bytes"])  # fmt: skip
+
+
+def _measure_all(base, tmp: Path) -> tuple[list[dict], list[dict]]:
+    """Every run, (devices, knobs, the trial's result, the load average when it ended) each: the
+    fit set and the 4-rank set interleaved, so that a drift in what else the machine runs falls
+    on both alike."""
+    plan = [("fit", n, k) for n, k in FIT]
+    four = [("four", 4, k) for k in PREDICT]
+    order = [x for pair in itertools.zip_longest(plan, four) for x in pair if x is not None]
+    runs = {"fit": [], "four": []}
+    for i, (kind, n, knobs) in enumerate(order):
+        result = measure(_recipe(base, n), Config(**knobs), tmp / f"{kind}{i}")
+        runs[kind].append({"devices": n, "config": knobs, "result": result, "load_1min": os.getloadavg()[0]})
+    return runs["fit"], runs["four"]
+
+
+def _predict(base, device, fit: list[dict], four: list[dict]) -> list[dict]:
+    """Fit to the ok runs of `fit`; predict each of `four` (and the fit runs, in-sample)."""
+    observations = [_observation(_recipe(base, r["devices"]), Config(**r["config"]), r["result"])
+                    for r in fit if r["result"]["status"] == "ok"]  # fmt: skip
+    predictor = Predictor(device).fit(observations)
+    rows = []
+    for r in [*fit, *four]:
+        p = predictor.predict(_recipe(base, r["devices"]), [Config(**r["config"])])
+        rows.append({
+            "devices": r["devices"], "config": r["config"], "fitted": r in fit,
+            "predicted": float(p.tokens_per_s[0]), "interval": [float(p.tokens_low[0]), float(p.tokens_high[0])],
+            "measured": r["result"]["tokens_per_s"],
+        })  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipe")
     ap.add_argument("--out", default=None, help="write every measurement and prediction here (JSON)")
+    ap.add_argument(
+        "--refit",
+        default=None,
+        metavar="JSON",
+        help="re-fit to the runs of an earlier --out, measuring nothing",
+    )
     args = ap.parse_args(argv)
     base = load_recipe(args.recipe)
     device = describe("cpu")
-    observations, fit_rows = [], []
-    with tempfile.TemporaryDirectory(prefix="perf-extrapolate-") as tmp:
-        for i, (n, knobs) in enumerate(FIT):
-            recipe, config = _recipe(base, n), Config(**knobs)
-            res = measure(recipe, config, Path(tmp) / f"fit{i}")
-            fit_rows.append({"devices": n, "config": knobs, "tokens_per_s": res["tokens_per_s"]})
-            if res["status"] == "ok":
-                observations.append(Observation(recipe, config, "ok", res["tokens_per_s"],
-                                                0.25 * (res["step_time_spread"] or 0),
-                                                res["peak_mem_allocated_bytes"], res["estimated_peak_mem_bytes"]))  # fmt: skip
-        predictor = Predictor(device).fit(observations)
-        recipe4 = _recipe(base, 4)
-        configs = [Config(**k) for k in PREDICT]
-        p = predictor.predict(recipe4, configs)
-        rows = []
-        for i, config in enumerate(configs):
-            res = measure(recipe4, config, Path(tmp) / f"four{i}")
-            rows.append({
-                "config": PREDICT[i], "predicted": float(p.tokens_per_s[i]),
-                "interval": [float(p.tokens_low[i]), float(p.tokens_high[i])], "measured": res["tokens_per_s"],
-            })  # fmt: skip
-    errors = [abs(r["predicted"] / r["measured"] - 1) for r in rows if r["measured"]]
-    inside = [r["interval"][0] <= r["measured"] <= r["interval"][1] for r in rows if r["measured"]]
-    summary = {"recipe": base.name, "fit": fit_rows, "four_ranks": rows,
+    if args.refit:
+        earlier = json.loads(Path(args.refit).read_text())
+        fit, four, load = earlier["runs_fit"], earlier["runs_four"], earlier["load_average_1min"]
+        device = dataclasses.replace(device, count=earlier["cores"])  # the cores the runs had
+    else:
+        load = [os.getloadavg()[0]]  # the machine may be shared: say how busy it was
+        with tempfile.TemporaryDirectory(prefix="perf-extrapolate-") as tmp:
+            fit, four = _measure_all(base, Path(tmp))
+        load.append(os.getloadavg()[0])
+    rows = _predict(base, device, fit, four)
+    held = [r for r in rows if not r["fitted"] and r["measured"]]
+    errors = [float(prediction_error(r["predicted"], r["measured"])) for r in held]
+    in_sample = [
+        float(prediction_error(r["predicted"], r["measured"])) for r in rows if r["fitted"] and r["measured"]
+    ]
+    inside = [r["interval"][0] <= r["measured"] <= r["interval"][1] for r in held]
+    summary = {"recipe": base.name, "predictions": rows, "runs_fit": fit, "runs_four": four,
                "median_abs_error": float(np.median(errors)) if errors else None,
                "max_abs_error": max(errors, default=None), "inside_90": sum(inside), "measured": len(inside),
-               "cores": device.count}  # fmt: skip
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("fit", "four_ranks")}))
+               "median_abs_error_in_sample": float(np.median(in_sample)) if in_sample else None,
+               "cores": device.count, "load_average_1min": load}  # fmt: skip
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("predictions", "runs_fit", "runs_four")}))
     for r in rows:
-        print(f"  4 ranks {json.dumps(r['config'])}: predicted {r['predicted']:,.0f} "
-              f"(90% {r['interval'][0]:,.0f}-{r['interval'][1]:,.0f}), measured {r['measured'] or 0:,.0f}")  # fmt: skip
+        print(f"  {'fit' if r['fitted'] else 'NEW'} {r['devices']} ranks {json.dumps(r['config'])}: predicted "
+              f"{r['predicted']:,.0f} (90% {r['interval'][0]:,.0f}-{r['interval'][1]:,.0f}), measured {r['measured'] or 0:,.0f}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
     return 0

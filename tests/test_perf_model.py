@@ -34,7 +34,7 @@ from tuner.perf.fitting import fit
 from tuner.perf.model import COEF_NAMES, features, predict_log, prior
 from tuner.perf.plan import make_plan
 from tuner.perf.priors import DevicePriors
-from tuner.perf.workload import step_work
+from tuner.perf.workload import stage_shares, step_work
 from tuner.recipe import recipe_from_dict
 from tuner.record import keys
 from tuner.result import TrialResult, TrialSpec
@@ -91,6 +91,20 @@ def true_tokens_per_s(recipe, configs: list[Config]) -> np.ndarray:
 def space_configs(recipe) -> list[Config]:
     space = load_space("cpu").narrow(recipe.search.overrides)
     return list(space.configs(recipe, CPU))
+
+
+def test_a_pipeline_is_paced_by_its_busiest_stage_the_one_with_the_output_projection():
+    recipe = recipe_from_dict(tiny())
+    shares = stage_shares(recipe, 2)
+    assert sum(shares) == pytest.approx(1.0) and shares[1] > 0.6 > 0.4 > shares[0]  # gpt-tiny's head
+    flat = step_work(recipe, Config(dp=2, micro_batch_size=4), CPU)
+    piped = step_work(recipe, Config(pp=2, micro_batch_size=4), CPU)
+    # Per micro-batch of 4 (the dp=2 rank runs 2 of them, the pp=2 stage 4): the last stage does
+    # its share of the whole micro-batch, and the schedule waits for it every microbatch but one.
+    assert piped.flops_micro == pytest.approx(flat.flops_micro * shares[1])
+    assert piped.bubble_factor == pytest.approx((3 * shares[1] + 1) / (4 * shares[1]))
+    equal = dataclasses.replace(piped, busiest_share=0.5)
+    assert equal.bubble_factor == pytest.approx((4 + 2 - 1) / 4)  # the textbook (m + pp - 1) / m
 
 
 def test_fit_recovers_known_coefficients_and_its_interval_covers_held_back_points():

@@ -7,6 +7,7 @@ dashboard and stored trial params all use them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -170,7 +171,9 @@ class Config:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        # The field names once per process: `dataclasses.fields` per call was a third of ranking
+        # a plan's 4,000 configs.
+        return {name: getattr(self, name) for name in _field_names()}
 
     def normalized(self) -> Config:
         """The same config with knobs that do not apply reset to their defaults.
@@ -214,6 +217,26 @@ class Config:
         if self.tp == 1:
             d.pop("sequence_parallel")
         return d
+
+
+@functools.cache
+def _field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Config))
+
+
+def short_config(params: dict[str, Any]) -> str:
+    """A config in one line, as every view prints it: the batch and the parallel split, then the
+    knobs that differ from the plain defaults."""
+    default = Config().to_dict()
+    head = (
+        f"mbs={params.get('micro_batch_size')} dp{params.get('dp')}-tp{params.get('tp')}-pp{params.get('pp')}"
+    )
+    rest = [
+        f"{k}={v}"
+        for k, v in params.items()
+        if k not in ("micro_batch_size", "dp", "tp", "pp") and default.get(k) != v
+    ]
+    return " ".join([head, *rest])
 
 
 def microbatches(config: Config, recipe: Recipe) -> int:

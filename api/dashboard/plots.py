@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from tuner.perf.predictor import prediction_error
 from tuner.record import keys
 from tuner.record.importance import INDICATIVE_BELOW, RESAMPLES, uncertainty
 from tuner.record.importance import importances as knob_importances
@@ -181,6 +184,39 @@ def memory(sample: list[TrialRecord]) -> dict[str, list[Any]]:
     }
 
 
+def _predicted(r: TrialRecord) -> float | None:
+    value = r.attrs.get(keys.PREDICTED_TOKENS_PER_S)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else None
+
+
+def predictions(study: StudyRecord) -> dict[str, Any]:
+    """Each completed trial's tokens/s as the performance model predicted it before the run, against
+    what it measured: the error and the interval's coverage over every such trial, the points of
+    at most `SAMPLE_LIMIT` of them (evenly spaced)."""
+    pts = [r for r in study.trials if _tput(r) and _predicted(r) is not None]
+    out: dict[str, Any] = {"total": len(pts), "sampled": 0}
+    if not pts:
+        return out
+    predicted = np.array([_predicted(r) for r in pts])
+    measured = np.array([_tput(r) for r in pts])
+    spans = [r.attrs.get(keys.PREDICTED_INTERVAL) for r in pts]
+    has = [isinstance(s, list) and len(s) == 2 for s in spans]
+    inside = [s[0] <= m <= s[1] for s, m, h in zip(spans, measured, has, strict=True) if h]
+    shown = _evenly(pts, SAMPLE_LIMIT)
+    out.update(
+        sampled=len(shown),
+        median_error=float(np.median(prediction_error(predicted, measured))),
+        inside_interval=sum(inside) / len(inside) if inside else None,
+        number=[r.number for r in shown],
+        predicted=[_predicted(r) for r in shown],
+        measured=[_tput(r) for r in shown],
+        interval=[r.attrs.get(keys.PREDICTED_INTERVAL) for r in shown],
+        chosen_by=[r.attrs.get(keys.CHOSEN_BY) or "unknown" for r in shown],
+    )
+    return out
+
+
 def _varying(study: StudyRecord) -> list[str]:
     seen: dict[str, set[str]] = {}
     for r in study.trials:
@@ -204,6 +240,7 @@ def plot_data(study: StudyRecord) -> dict[str, Any]:
             "parallel": parallel(sample, list(ranked) or _varying(study)),
             "pareto": pareto(sample),
             "memory": memory(sample),
+            "predictions": predictions(study),
         }
 
     return study.cached("plots", compute)

@@ -137,6 +137,14 @@ def read_plots(job_id: JobId, session: SessionDep, _: ReadAuth):
     return views.plot_data(_study(session, _job(session, job_id)))
 
 
+@data.get("/jobs/{job_id}/plan")
+def read_plan(job_id: JobId, session: SessionDep, _: ReadAuth):
+    """The plan's top configs, fitted to this job's own trials (no device run), each with what
+    the study measured for it; the page asks for it after its first draw."""
+    job = _job(session, job_id)
+    return views.plan(_study(session, job), job)
+
+
 @data.get(
     "/jobs/{job_id}/trials/{number}",
     responses={404: {"description": "No job has this id, or its study has no such trial."}},
@@ -168,6 +176,11 @@ def read_study_trials(study_name: StudyName, session: SessionDep, _: ReadAuth, q
 @data.get("/studies/{study_name}/plots", responses=_NO_STUDY)
 def read_study_plots(study_name: StudyName, session: SessionDep, _: ReadAuth):
     return views.plot_data(get_study(session, study_name))
+
+
+@data.get("/studies/{study_name}/plan", responses=_NO_STUDY)
+def read_study_plan(study_name: StudyName, session: SessionDep, _: ReadAuth):
+    return views.plan(get_study(session, study_name))
 
 
 @data.get("/studies/{study_name}/trials/{number}", responses=_NO_STUDY)

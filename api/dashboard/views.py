@@ -4,6 +4,7 @@ recent failures; one trials page; the plots; one trial whole."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,30 @@ def trials_page(study: StudyRecord | None, **query: Any) -> FiniteJSONResponse:
 
 def plot_data(study: StudyRecord | None) -> FiniteJSONResponse | dict[str, int]:
     return FiniteJSONResponse(plots.plot_data(study)) if study is not None else {"total": 0, "sampled": 0}
+
+
+# One plan computed at a time in this process: it takes a second or two of CPU for a large study,
+# and is computed outside the study's lock so the table and plots of that version never wait on it.
+_plan_lock = threading.Lock()
+
+
+def plan(study: StudyRecord | None, job: Job | None = None) -> FiniteJSONResponse:
+    """The plan of the study's recipe fitted to its own trials, next to what the study measured
+    (`tuner.perf.study_plan`), once per version of the study."""
+    from tuner.perf.study_plan import study_plan, unavailable
+
+    if study is None or not study.trials:
+        none_yet = unavailable("no trials yet: the plan is fitted to the study's own measurements")
+        return FiniteJSONResponse(none_yet.to_dict())
+    cached = study.derived.get("plan")
+    if cached is None:
+        with _plan_lock:
+            cached = study.derived.get("plan")
+            if cached is None:
+                recipe = study.recipe or (job.recipe if job is not None else None) or {}
+                made = study_plan(recipe, study.fingerprint, study.trials, study.ranking())
+                cached = study.derived.setdefault("plan", made.to_dict())
+    return FiniteJSONResponse(cached)
 
 
 def trial(session: Session, study: StudyRecord, number: int) -> dict[str, Any]:

@@ -82,19 +82,9 @@ def _preflight(recipe: Any, sampler: str) -> None:
 
 
 def short_config(config: dict[str, Any]) -> str:
-    """The knobs that differ from the plain defaults, plus the batch and the parallel split."""
-    from tuner.config import Config
+    from tuner.config import short_config as one_line  # torch loads with it: only when printing
 
-    default = Config().to_dict()
-    head = (
-        f"mbs={config.get('micro_batch_size')} dp{config.get('dp')}-tp{config.get('tp')}-pp{config.get('pp')}"
-    )
-    rest = [
-        f"{k}={v}"
-        for k, v in config.items()
-        if k not in ("micro_batch_size", "dp", "tp", "pp") and default.get(k) != v
-    ]
-    return " ".join([head, *rest])
+    return one_line(config)
 
 
 def tune(

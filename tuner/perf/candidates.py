@@ -52,16 +52,19 @@ def candidates(
     if len(every) <= limit:
         return every
     rng = random.Random(seed)
-    seen: dict[str, Config] = {}
+    seen: dict[Config, Config] = {}  # by the normalized config itself: equal exactly when keys are
     pool = itertools.chain(
         (n for c in around for n in neighbours(space, c, devices)),
         (_random_config(space, devices, rng) for _ in range(limit * 3)),
     )
-    for config in pool:
-        key = config.key()
-        if key in seen or not space.contains(config, devices) or infeasible_reasons(config, recipe, device):
+    for config in pool:  # each normalized already
+        if (
+            config in seen
+            or not space.contains(config, devices)
+            or infeasible_reasons(config, recipe, device)
+        ):
             continue
-        seen[key] = config
+        seen[config] = config
         if len(seen) >= limit:
             break
     return list(seen.values())

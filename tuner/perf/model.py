@@ -86,8 +86,8 @@ def prior(priors: DevicePriors) -> tuple[np.ndarray, np.ndarray]:
     return np.array(mean), np.array(sd)
 
 
-def _active(config: Config, knob: str, value: object) -> bool:
-    c = config.normalized()
+def _active(c: Config, knob: str, value: object) -> bool:
+    """Whether the normalized config `c` has the multiplier's knob value (in effect)."""
     if knob == "loader_workers":
         return c.loader_workers > 0
     if knob == "pp_schedule":
@@ -141,13 +141,17 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
         "dp_msgs": col(w.dp_messages for w in works),
         "dp_bytes": col(w.dp_bytes for w in works),
         "bubble": col(w.bubble_factor for w in works),
+        # The average stage's work over the busiest one's (1 without a pipeline).
+        "balance": col(1.0 / (w.pp * w.busiest_share) for w in works),
         "oversub": col(priors.oversubscription(w.ranks) for w in works),
         # A data-parallel group larger than a node crosses nodes: its link is the slower one.
         "dp_link": col(priors.cross_node_share if w.ranks > priors.node_devices else 1.0 for w in works),
         "amp_O1": col(c.amp == "O1" for c in configs),
         "amp_O2": col(c.amp == "O2" for c in configs),
     }
-    mult = np.array([[_active(c, k, v) for k, v in MULTIPLIERS] for c in configs], dtype=float)
+    # Normalized once per config, not once per multiplier: a plan ranks thousands of configs.
+    normal = [c.normalized() for c in configs]
+    mult = np.array([[_active(c, k, v) for k, v in MULTIPLIERS] for c in normal], dtype=float)
     return Features(cols, mult.reshape(len(configs), len(MULTIPLIERS)))
 
 
@@ -157,11 +161,17 @@ def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
     eff, half, bw, lat, overlap, host, o1, o2 = theta[: len(PHYSICAL)]
     speed = c["peak"] * np.exp(eff + o1 * c["amp_O1"] + o2 * c["amp_O2"])
     speed = speed * c["micro_tokens"] / (c["micro_tokens"] + math.exp(half))
-    per_micro = (c["flops_micro"] / speed + c["units"] * math.exp(host)) * c["oversub"]
-    per_micro = per_micro + c["tp_msgs"] * math.exp(lat) + c["tp_bytes"] / math.exp(bw)
-    pipeline = (
-        c["n_micro"] * per_micro * c["bubble"] + c["pp_msgs"] * math.exp(lat) + c["pp_bytes"] / math.exp(bw)
-    )
+    work = c["flops_micro"] / speed + c["units"] * math.exp(host)  # one micro-batch, busiest rank
+    # Ranks that share cores (more CPU ranks than cores: `oversub` > 1) queue for them. The step
+    # then takes at least all ranks' work over the cores, and a pipeline stage's idle time is
+    # another stage's turn, so the bubble and the queue do not compound. Each message waits for
+    # its peers' turns on the cores too. With a core per rank (oversub 1) both reduce to the
+    # plain schedule: the bubble times the busiest stage, messages at the link's speed.
+    pace = np.maximum(c["bubble"], c["oversub"] * c["balance"])
+    share = c["oversub"]
+    tp = (c["tp_msgs"] * math.exp(lat) + c["tp_bytes"] / math.exp(bw)) * share
+    pp = (c["pp_msgs"] * math.exp(lat) + c["pp_bytes"] / math.exp(bw)) * share
+    pipeline = c["n_micro"] * (work * pace + tp * c["bubble"]) + pp
     hidden = 1.0 / (1.0 + math.exp(-overlap))
-    data = (c["dp_msgs"] * math.exp(lat) + c["dp_bytes"] / (math.exp(bw) * c["dp_link"])) * (1 - hidden)
-    return np.log(pipeline + data) + f.multipliers @ theta[len(PHYSICAL) :]
+    dp = c["dp_msgs"] * math.exp(lat) + c["dp_bytes"] / (math.exp(bw) * c["dp_link"])
+    return np.log(pipeline + dp * share * (1 - hidden)) + f.multipliers @ theta[len(PHYSICAL) :]

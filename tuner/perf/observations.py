@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tuner.config import Config, ConfigError
+from tuner.config import Config, ConfigError, shape_reasons
 from tuner.recipe import Recipe, RecipeError, recipe_from_dict
 from tuner.record import keys
 from tuner.record.status import OK, OOM
@@ -59,6 +59,9 @@ def observation(recipe: Recipe, params: dict[str, Any], attrs: dict[str, Any]) -
         config = config_from_params(params)
     except (ConfigError, ValueError, TypeError):
         return None
+    per_step = config.micro_batch_size * config.dp
+    if recipe.train.global_batch_size % per_step or shape_reasons(config, recipe):
+        return None  # not a config of this recipe: the model's formulas cannot describe its step
     tps = attrs.get(keys.TOKENS_PER_S)
     if status == OK and not (isinstance(tps, (int, float)) and tps > 0 and math.isfinite(tps)):
         return None

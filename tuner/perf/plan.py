@@ -15,7 +15,7 @@ from tuner.config import Config
 from tuner.devices import DeviceInfo, describe, resolve_family
 from tuner.perf.candidates import candidates
 from tuner.perf.observations import Observation, fingerprint_observations
-from tuner.perf.predictor import Predictor
+from tuner.perf.predictor import Predicted, Predictor
 from tuner.perf.priors import DevicePriors, device_priors
 from tuner.prune import calibration_factor, verdict
 from tuner.recipe import Recipe
@@ -60,6 +60,21 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class PlanOrder:
+    """Every config a plan ranked, best first: where a given config landed (a plan lists only
+    its top rows)."""
+
+    pool: list[Config]
+    order: np.ndarray  # indices into `pool`, best first
+    predicted: Predicted | None  # None when nothing was feasible
+
+    def rank_of(self, config: Config) -> int | None:
+        """The config's place in the plan (1: first), None when it was not a ranked candidate."""
+        want = config.normalized()  # normalized configs are equal exactly when their keys are
+        return next((rank for rank, i in enumerate(self.order, 1) if self.pool[i].normalized() == want), None)
+
+
 def _for_devices(recipe: Recipe, devices: int) -> Recipe:
     hardware = recipe.hardware.model_copy(update={"devices": devices})
     return recipe.model_copy(update={"hardware": hardware})
@@ -85,8 +100,26 @@ def make_plan(
 ) -> Plan:
     """The plan for `recipe` on `devices` (default: the recipe's). Observations default to every
     measured trial on this machine's fingerprint in `storage_url` (none without one)."""
+    return ranked_plan(
+        recipe, devices=devices, top=top, storage_url=storage_url, device=device, priors=priors,
+        observations=observations,
+    )[0]  # fmt: skip
+
+
+def ranked_plan(
+    recipe: Recipe,
+    *,
+    devices: int | None = None,
+    top: int = 10,
+    storage_url: str | None = None,
+    device: DeviceInfo | None = None,
+    priors: DevicePriors | None = None,
+    observations: list[Observation] | None = None,
+) -> tuple[Plan, PlanOrder]:
+    """`make_plan`, and where every ranked config landed."""
     check_plan_input(recipe, devices, top)
-    family = resolve_family(recipe.hardware.device)
+    # A given device may be one this machine lacks (a study's, read from its fingerprint).
+    family = device.family if device else resolve_family(recipe.hardware.device)
     device = device or describe(family)
     n = devices or recipe.hardware.devices
     try:
@@ -104,18 +137,21 @@ def make_plan(
     same = [o for o in observations if o.recipe.hash() == target.hash() and o.peak_mem_bytes]
     calibration = calibration_factor([(o.peak_mem_bytes, o.estimated_peak_mem_bytes) for o in same])
     best = sorted((o for o in same if o.tokens_per_s), key=lambda o: -(o.tokens_per_s or 0))[:3]
-    pool = [
-        c
-        # The baseline's neighbours are always ranked, even when the space is only sampled.
-        for c in candidates(
-            space, target, wide, around=[baseline_config(target, wide, space), *(o.config for o in best)]
-        )
-        if verdict(c, target, wide, calibration).reason is None
+    # The baseline's neighbours are always ranked, even when the space is only sampled.
+    around = [baseline_config(target, wide, space), *(o.config for o in best)]
+    every = candidates(space, target, wide, around=around)
+    works, feats = predictor.features(target, every)  # each estimate made once: verdict reuses it
+    keep = [
+        i
+        for i, (c, w) in enumerate(zip(every, works, strict=True))
+        if verdict(c, target, wide, calibration, est=w.estimate).reason is None
     ]
-    rows = _rows(predictor, target, pool, same, top)
+    pool = [every[i] for i in keep]
+    order = _order(predictor, target, pool, ([works[i] for i in keep], feats.take(keep)))
+    rows = _rows(order, same, top)
     measured_ranks = max((o.config.world_size for o in observations), default=0)
     extrapolated = n > device.count or bool(observations) and n > measured_ranks
-    return Plan(
+    plan = Plan(
         recipe=recipe.name,
         devices=n,
         machine_devices=device.count,
@@ -125,6 +161,7 @@ def make_plan(
         basis=_basis(observations, n, device, measured_ranks),
         rows=rows,
     )
+    return plan, order
 
 
 def _stored(url: str, family: str) -> list[Observation]:
@@ -133,19 +170,22 @@ def _stored(url: str, family: str) -> list[Observation]:
     return fingerprint_observations(url, fingerprint_hash(fingerprint(family)))
 
 
-def _rows(
-    predictor: Predictor, recipe: Recipe, pool: list[Config], same: list[Observation], top: int
-) -> list[PlanRow]:
+def _order(predictor: Predictor, recipe: Recipe, pool: list[Config], cached) -> PlanOrder:
     if not pool:
-        return []
-    p = predictor.predict(recipe, pool)
+        return PlanOrder(pool, np.zeros(0, dtype=int), None)
+    p = predictor.predict(recipe, pool, cached)
     # Rank by what a run is expected to deliver: a config that may not fit counts for less.
     # Among equals (within 1%: knobs the model has no evidence on) the plainer config comes first.
-    plain = np.array(
-        [sum(1 for k, v in c.active_params().items() if v != getattr(Config(), k)) for c in pool]
-    )
+    default = Config()
+    plain = np.array([sum(1 for k, v in c.active_params().items() if v != getattr(default, k)) for c in pool])
     value = np.round(np.log(p.tokens_per_s * np.minimum(1.0, p.p_fit / 0.5)) / 0.01)
-    order = np.lexsort((plain, -value))[:top]
+    return PlanOrder(pool, np.lexsort((plain, -value)), p)
+
+
+def _rows(order: PlanOrder, same: list[Observation], top: int) -> list[PlanRow]:
+    p, pool = order.predicted, order.pool
+    if p is None:
+        return []
     measured = {o.config.key(): o.tokens_per_s for o in same if o.tokens_per_s}
     return [
         PlanRow(
@@ -158,7 +198,7 @@ def _rows(
             p_fit=round(float(p.p_fit[i]), 3),
             measured_tokens_per_s=measured.get(pool[i].key()),
         )
-        for rank, i in enumerate(order, 1)
+        for rank, i in enumerate(order.order[:top], 1)
     ]
 
 

@@ -38,6 +38,12 @@ class Predicted:
     p_fit: np.ndarray  # chance the measured peak stays within the memory budget
 
 
+def prediction_error(predicted, measured):
+    """|predicted / measured - 1| (floats or arrays): how far a tokens/s prediction missed, as the
+    issue's targets, the benchmarks and the dashboard count it."""
+    return np.abs(np.asarray(predicted, dtype=float) / np.asarray(measured, dtype=float) - 1)
+
+
 def workload(recipe: Recipe, configs: Sequence[Config], device: DeviceInfo) -> list[StepWork]:
     return [step_work(recipe, c, device) for c in configs]
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tuner.config import Config, microbatches
 from tuner.devices import DeviceInfo
 from tuner.estimate import Estimate, MiB, estimate
+from tuner.models import family_of
 from tuner.recipe import Recipe
 
 # Bytes per element moved by a gradient all-reduce under each DDP communication hook.
@@ -34,12 +35,17 @@ class StepWork:
     pp: int
     ranks: int
     peak_mem_bytes: int  # the memory estimator's prediction
+    busiest_share: float  # of the step's FLOPs, on the busiest pipeline stage (1 without a pipeline)
     estimate: Estimate = field(compare=False, repr=False)  # all of it (prune.verdict takes it)
 
     @property
     def bubble_factor(self) -> float:
-        """Pipeline schedule length over its useful part: (microbatches + pp - 1) / microbatches."""
-        return (self.microbatches + self.pp - 1) / self.microbatches
+        """Pipeline schedule length in micro-batches of the busiest stage, over the microbatches:
+        the busiest stage paces every microbatch but one, and the fill and drain pass once through
+        every stage: ((m - 1) * busiest + 1) / (m * busiest), which is (m + pp - 1) / m when the
+        stages are equal."""
+        m, busiest = self.microbatches, self.busiest_share
+        return ((m - 1) * busiest + 1) / (m * busiest)
 
 
 def _ring(nbytes: float, n: int) -> float:
@@ -47,13 +53,29 @@ def _ring(nbytes: float, n: int) -> float:
     return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
 
 
+def stage_shares(recipe: Recipe, pp: int) -> list[float]:
+    """Each pipeline stage's share of the model FLOPs: its blocks, and on the last stage the
+    output projection (a gpt-tiny head is a quarter of the matmul work: its stage does 61% of a
+    pp=2 step, not half)."""
+    m = recipe.model
+    family = family_of(m)
+    block = (
+        6.0 * family.block_matmul_params(m) + family.attention_score_flops_per_token(m, m.seq_len) / m.layers
+    )
+    head = max(0.0, family.flops_per_token(m) - m.layers * block)
+    flops = [len(family.stage_layers(m, s, pp)) * block + (head if s == pp - 1 else 0.0) for s in range(pp)]
+    return [f / sum(flops) for f in flops]
+
+
 def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
     m, c = recipe.model, config
     est = estimate(recipe, config, device)
     n_micro = microbatches(c, recipe)
     micro_tokens = c.micro_batch_size * m.seq_len
-    # Hardware FLOPs split over the ranks: tp splits the matmuls, pp the layers, dp the batch.
-    flops_micro = est.hardware_flops_per_step / c.world_size / n_micro
+    # Hardware FLOPs split over the ranks: tp splits the matmuls, dp the batch, pp the layers
+    # (unevenly: the busiest stage is what a pipeline waits for).
+    busiest = max(stage_shares(recipe, c.pp)) if c.pp > 1 else 1.0
+    flops_micro = est.hardware_flops_per_step / (c.dp * c.tp) / n_micro * busiest
     layers = m.layers // c.pp
     repeat = {"none": 0.0, "selective": 0.5, "full": 1.0}[c.recompute]
     units = layers * (2 + repeat) + 2  # forward + backward per layer, recomputed forwards, ends
@@ -88,5 +110,6 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         pp=c.pp,
         ranks=c.world_size,
         peak_mem_bytes=int(est.peak_mem_bytes),
+        busiest_share=busiest,
         estimate=est,
     )

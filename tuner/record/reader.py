@@ -50,6 +50,9 @@ ROW_ATTRS = (
     keys.DUPLICATE_OF,
     keys.DEVICE_SECONDS,
     keys.LOSSES,  # the ranking's loss-drift check
+    keys.CHOSEN_BY,  # the dashboard's predicted-against-measured plot
+    keys.PREDICTED_TOKENS_PER_S,
+    keys.PREDICTED_INTERVAL,
 )
 _IN_LIST = 500  # trials read by id list; more are read study-wide
 

@@ -268,6 +268,8 @@ async function loadPlots() {
   importanceNote(data.importance);
   if (data.pareto && data.pareto.all.number.length) jobs.push(plots.pareto($("plot-pareto"), data.pareto));
   if (data.memory && data.memory.number.length) jobs.push(plots.memory($("plot-memory"), data.memory));
+  if (data.predictions && data.predictions.sampled) jobs.push(plots.predictions($("plot-predicted"), data.predictions));
+  predictionsNote(data.predictions);
   await Promise.all(jobs);
   $("plots-note").textContent = data.total > data.sampled
     ? `Plots show ${num(data.sampled)} of ${num(data.total)} trials (every improvement and failure kept).` : "";
@@ -287,6 +289,73 @@ function importanceNote(imp) {
   if (note.hidden) return;
   note.textContent = `Indicative only: importance from ${imp.completed} completed trials (reliable from ${imp.min_trials}). `
     + `Whiskers: the 10–90% range over ${imp.resamples} bootstrap resamples of the trials.`;
+}
+
+// How far the model's predictions (made before each trial ran) missed, over every predicted trial.
+function predictionsNote(p) {
+  const note = $("predicted-note");
+  if (!p || !p.total) {
+    note.textContent = "No predictions: no trial of this study was chosen with the performance model "
+      + "(search.sampler: model, the default, records one before each run).";
+    return;
+  }
+  const inside = p.inside_interval === null || p.inside_interval === undefined ? ""
+    : `; ${pct(p.inside_interval, 0)} measured inside the predicted 90% interval`;
+  const shown = p.sampled < p.total ? ` (the plot shows ${num(p.sampled)})` : "";
+  note.textContent = `Median |predicted / measured − 1|: ${pct(p.median_error)} over ${num(p.total)} trials${inside}${shown}.`;
+}
+
+// The plan is fitted on the server to the study's own trials (a second or two for a large study),
+// so it is asked for once the page is up, and again at most every PLAN_EVERY_MS while trials arrive.
+const PLAN_EVERY_MS = 30_000;
+let planAt = -Infinity;
+
+function studyCell(s) {
+  if (!s) return el("td", { class: "muted" }, "not tried");
+  const trial = isJob ? el("a", { href: compareHref(s.trial) }, `#${s.trial}`) : `#${s.trial}`;
+  if (s.tokens_per_s !== null && s.tokens_per_s !== undefined) {
+    const place = s.study_rank ? ` · the study's #${s.study_rank}` : s.note ? ` · ${s.note}` : "";
+    return el("td", {}, `${num(s.tokens_per_s)} tokens/s in `, trial, place);
+  }
+  const b = badge(s.status);
+  if (s.note) b.title = s.note;
+  return el("td", {}, b, " in ", trial, s.note ? el("span", { class: "muted" }, ` ${s.note}`) : null);
+}
+
+function renderPlan(plan) {
+  const table = $("plan-table");
+  if (!plan.available) {
+    $("plan-basis").textContent = `No plan: ${plan.reason}.`;
+    $("plan-best").replaceChildren();
+    table.querySelector("thead").replaceChildren();
+    table.querySelector("tbody").replaceChildren();
+    return;
+  }
+  $("plan-basis").textContent = `A prediction, no device run: ${num(plan.considered)} feasible configs ranked, ${plan.basis} (${plan.seconds.toFixed(1)} s).`;
+  const best = plan.study_best;
+  const measured = plan.rows.filter((r) => r.study && r.study.tokens_per_s !== null && r.study.tokens_per_s !== undefined).length;
+  $("plan-best").replaceChildren(...(best ? [
+    "The study's best, ", el("strong", {}, `#${best.trial}`), ` at ${num(best.tokens_per_s)} tokens/s, is `,
+    el("strong", { id: "plan-best-rank" }, best.plan_rank ? `the plan's #${best.plan_rank}` : "not among the plan's feasible configs"),
+    best.predicted_tokens_per_s ? ` (predicted ${num(best.predicted_tokens_per_s)})` : "",
+    `. The study measured ${measured} of the plan's top ${plan.rows.length}.`] : ["The study has no measured winner yet."]));
+  table.querySelector("thead").replaceChildren(el("tr", {}, ...["Plan #", "Config", "Predicted tokens/s (90%)", "P(fit)", "What the study measured"]
+    .map((h) => el("th", {}, h))));
+  table.querySelector("tbody").replaceChildren(...plan.rows.map((r) => el("tr", { dataset: { rank: r.rank, tried: r.study ? "yes" : "no" } },
+    el("td", {}, String(r.rank)), el("td", {}, r.label),
+    el("td", { class: "num" }, `${num(r.tokens_per_s)} (${num(r.tokens_per_s_interval[0])}–${num(r.tokens_per_s_interval[1])})`),
+    el("td", { class: "num" }, r.p_fit.toFixed(2)), studyCell(r.study))));
+}
+
+async function loadPlan() {
+  planAt = performance.now();
+  try {
+    renderPlan(await api(`${BASE}/plan`));
+  } catch (err) {
+    showError($("plan-basis"), err);
+  }
+  mark("plan_drawn");
+  dash.planReady = true;
 }
 
 // Plotly runs once the first table page is drawn (or failed), so the table shows first.
@@ -310,6 +379,7 @@ function refreshSoon() {
     pending = null;
     await Promise.all([loadOverview(), loadTable(), loadPlots()]);
     await drawParallel();
+    if (performance.now() - planAt >= PLAN_EVERY_MS) await loadPlan();
     dash.refreshes += 1;
   }, REFRESH_MS);
 }
@@ -339,6 +409,7 @@ async function follow() {
           if (kind) {
             dash.events += 1;
             dash.lastEvent = kind[1];
+            if (kind[1] === "done") planAt = -Infinity; // the finished study's plan, whatever its age
             refreshSoon();
             if (kind[1] === "done") {
               $("live-status").textContent = "job finished";
@@ -370,3 +441,4 @@ async function pollStudy() {
 await Promise.all([loadOverview(), loadTable(), loadPlots()]);
 follow();
 await drawParallel();
+await loadPlan();

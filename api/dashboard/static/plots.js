@@ -117,6 +117,33 @@ export function memory(node, m) {
   return draw(node, traces, { title: { text: "Peak memory: estimated vs measured" }, xaxis: { title: { text: "estimated (MiB)" } }, yaxis: { title: { text: "measured (MiB)" } } });
 }
 
+// The performance model's prediction before each trial ran against what the trial measured, one
+// colour per chooser (the model, TPE while the model fitted badly, the driver's queue), whiskers
+// for the predicted 90% interval, and the line of a perfect prediction.
+const CHOOSERS = { model: [31, 119, 180], tpe: [255, 127, 14], queue: [107, 114, 128], unknown: [156, 163, 175] };
+const rgba = (c, a) => `rgba(${c.join(",")},${a})`;
+export function predictions(node, p) {
+  const traces = Object.keys(CHOOSERS).map((who) => {
+    const idx = p.chosen_by.map((c, i) => ((CHOOSERS[c] ? c : "unknown") === who ? i : -1)).filter((i) => i >= 0);
+    const span = (i) => (Array.isArray(p.interval[i]) ? p.interval[i] : [p.predicted[i], p.predicted[i]]);
+    return {
+      x: idx.map((i) => p.predicted[i]), y: idx.map((i) => p.measured[i]), mode: "markers", name: `chosen by ${who}`,
+      marker: { size: 6, color: rgba(CHOOSERS[who], 0.85) },
+      // Faint: with hundreds of trials the intervals would otherwise hide the points.
+      error_x: { type: "data", symmetric: false, array: idx.map((i) => Math.max(0, span(i)[1] - p.predicted[i])),
+        arrayminus: idx.map((i) => Math.max(0, p.predicted[i] - span(i)[0])), color: rgba(CHOOSERS[who], 0.15), thickness: 1, width: 0 },
+      text: idx.map((i) => `#${p.number[i]}: predicted ${Math.round(p.predicted[i]).toLocaleString("en-US")}, measured ${Math.round(p.measured[i]).toLocaleString("en-US")}`),
+      hoverinfo: "text",
+    };
+  }).filter((t) => t.x.length);
+  const all = [...p.predicted, ...p.measured];
+  const lo = Math.min(...all) * 0.9;
+  const hi = Math.max(...all) * 1.1;
+  traces.push({ x: [lo, hi], y: [lo, hi], mode: "lines", name: "predicted = measured", line: { dash: "dot", color: "#888" }, hoverinfo: "skip" });
+  return draw(node, traces, { title: { text: "Predicted vs measured tokens/s" }, xaxis: { title: { text: "predicted before the run (tokens/s)" } },
+    yaxis: { title: { text: "measured (tokens/s)" } }, legend: { orientation: "h", y: -0.3 }, margin: { ...LAYOUT.margin, b: 90 }, height: 380 });
+}
+
 // Stacked bars of step time by category, one bar per trial (best card and comparison).
 export function breakdown(node, bars) {
   const cats = [...CATEGORIES, ...new Set(bars.flatMap((b) => Object.keys(b.breakdown || {})).filter((c) => !CATEGORIES.includes(c)))];
