@@ -1,23 +1,18 @@
-"""The job page's performance-model panel in headless Chromium, against the real API server (uvicorn,
-the real app) on a free loopback port over a real SQLite database: a seeded study whose trials
-carry the model sampler's predictions shows them against what was measured, with the line of a
+"""The job page's performance-model panel in headless Chromium, against a real `tuner serve
+--workers 0` (the API alone) on a free loopback port over a real SQLite database: a seeded study
+whose trials carry the model sampler's predictions shows them against what was measured, with the line of a
 perfect prediction and how far they missed, and the plan fitted to the study's own trials, drawn
 after the page's first view, with what the study measured for each planned config."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from seed import seed_job
+from test_api_server import Server
+from test_browser_dashboard import ARGS, CHROMIUM, SHOTS
 
 from tuner.db import Job, session_scope
 from tuner.migrations import upgrade
@@ -27,22 +22,12 @@ from tuner.record.reader import read_study
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-SHOTS = REPO / "test-artifacts" / "screenshots"
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
 NARROW = {
     "micro_batch_size": [1, 2, 4, 8], "dp_shard": ["ddp"], "pp_schedule": ["1f1b"], "recompute": ["none", "full"],
     "recompute_layers": [1.0], "sequence_parallel": [False], "attention": ["math"], "bucket_mb": [25],
     "grad_compression": ["none"], "amp": ["O0", "O2"], "compile": ["none", "default"], "optimizer_impl": ["foreach"],
     "loader_workers": [0], "cpu_affinity": ["none"],
 }  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,30 +38,13 @@ def server(tmp_path_factory):
     # A space of 96 configs, so that 300 seeded trials measured most of what the plan ranks first.
     predicted = seed_job(url, 300, seed=5, predictions=True, name="gpt-model", overrides=NARROW)
     plain = seed_job(url, 30, seed=6, name="gpt-tpe")
-    port = _free_port()
-    env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_PUBLIC_READS": "true"}
-    log = open(d / "server.log", "w")  # noqa: SIM115 - closed after the server stops
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "api:create_app", "--factory", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    # The API alone: the seeded jobs are finished and no worker may pick anything up.
+    api = Server(d, url, workers=0, TUNER_PUBLIC_READS="true")
+    api.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (d / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the API server did not answer /healthz within 60 s"
-            time.sleep(0.2)
-        yield {"base": base, "url": url, "predicted": predicted, "plain": plain}
+        yield {"base": api.base, "url": url, "predicted": predicted, "plain": plain}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
-        log.close()
+        api.stop()
 
 
 @pytest.fixture(scope="module")
