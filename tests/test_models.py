@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from test_workload_model import saved_bytes
 from typer.testing import CliRunner
 
 from tuner.cli.main import app
@@ -169,19 +170,6 @@ def test_tied_embeddings_share_one_tensor_after_materialising():
     model = build_model(model_spec(tie_embeddings=True), "math", seed=0, device=CPU)
     assert model.output.weight is model.tok_embeddings.weight
     assert model.output.weight.device == CPU and model.output.weight.std() > 0
-
-
-def saved_bytes(model, x) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x).sum().backward()
-    return total
 
 
 def test_recompute_and_its_layer_fraction_keep_fewer_activations():

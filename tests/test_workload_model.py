@@ -71,7 +71,7 @@ def test_a_pipeline_stage_owns_its_layers_and_starts_from_the_full_models_weight
     assert not torch.equal(other_seed.layers["2"].mlp.up.weight, full.layers["2"].mlp.up.weight)
 
 
-def saved_bytes(model: GPT, x: torch.Tensor) -> int:
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
     """Bytes autograd keeps for backward outside checkpointed regions (what recompute frees)."""
     total = 0
 
