@@ -47,6 +47,7 @@ from tuner.baseline import baseline_config  # noqa: E402
 from tuner.config import KNOBS, Config, infeasible_reasons  # noqa: E402
 from tuner.devices import describe  # noqa: E402
 from tuner.executors.base import Executor  # noqa: E402
+from tuner.prune import budget_peak  # noqa: E402
 from tuner.recipe import recipe_from_dict  # noqa: E402
 from tuner.result import TrialResult, TrialSpec  # noqa: E402
 from tuner.space import load_space  # noqa: E402
@@ -88,7 +89,7 @@ class Table:
             doc["hardware"]["memory_budget_gb"] = memory_budget_gb
             limit = memory_budget_gb * 2**30
             for r in rows:
-                if r["status"] == "ok" and float(r["peak_mem_allocated_bytes"] or 0) > limit:
+                if r["status"] == "ok" and (budget_peak(_peaks(r)) or 0) > limit:
                     r["status"] = "oom"
                     r["error"] = f"measured peak over the {memory_budget_gb} GiB budget"
         recipe = recipe_from_dict(doc)
@@ -117,14 +118,21 @@ class Table:
             samples_per_s=tps / self.recipe.model.seq_len,
             step_time_s=step,
             step_time_spread=float(row["step_time_spread"] or 0),
-            peak_mem_allocated_bytes=int(float(row["peak_mem_allocated_bytes"] or 0)),
-            peak_mem_reserved_bytes=int(float(row["peak_mem_allocated_bytes"] or 0)),
+            **_peaks(row),
             loss=loss,
             losses=[loss] * self.recipe.measure.steps if loss is not None else [],
             wall_s=wall,
             measured_s=step * self.recipe.measure.steps,
         )
         return Run(float(row["tokens_per_s"]), wall * self.devices, False), res
+
+
+def _peaks(row: dict) -> dict[str, int | None]:
+    """A row's peak columns as a trial stores them. Tables measured before CPU ranks read their
+    allocated peak apart (`tuner.memory.HeldMemory`) have one column, the RSS peak: it is both."""
+    allocated = int(float(row["peak_mem_allocated_bytes"] or 0)) or None
+    reserved = int(float(row.get("peak_mem_reserved_bytes") or 0)) or allocated
+    return {"peak_mem_allocated_bytes": allocated, "peak_mem_reserved_bytes": reserved}
 
 
 class TableExecutor(Executor):

@@ -93,3 +93,23 @@ def test_ascend_gets_bf16_autocast(describe):
 def test_a_space_without_amp_keeps_the_fp32_baseline_even_on_fast_hardware(describe):
     device = describe("cuda", gpu=("NVIDIA H100 80GB HBM3", 9, 0))
     assert precision(tiny("cuda", {"amp": ["O0"]}), device) == ("O0", None)
+
+
+def test_baseline_micro_batch_is_predicted_to_fit_not_merely_within_the_search_margin():
+    """A study's pruning lets a config 15% over the budget run (the estimator may over-predict);
+    the baseline must fit outright, its estimate scaled by the device's reserved/allocated
+    prior, so it does not open a study with an out-of-memory run."""
+    from tuner.config import Config
+    from tuner.estimate import OOM_MARGIN, estimate, reserved_ratio_prior
+
+    doc = {"name": "b", "model": {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 2048},
+           "train": {"global_batch_size": 16}, "hardware": {"device": "cpu", "devices": 2}}  # fmt: skip
+    cpu = devices.describe("cpu")
+    space = load_space("cpu").narrow({"micro_batch_size": [2, 8]})
+    free = baseline_config(recipe_from_dict(doc), cpu, space)
+    scaled = estimate(recipe_from_dict(doc), free, cpu).peak_mem_bytes * reserved_ratio_prior("cpu")
+    # Micro-batch 8 is within the search's margin of this budget, but over the budget itself.
+    doc["hardware"]["memory_budget_gb"] = scaled / (1 + OOM_MARGIN / 2) / 2**30
+    base = baseline_config(recipe_from_dict(doc), cpu, space)
+    assert free.micro_batch_size == 8 and base.micro_batch_size == 2
+    assert Config(**{**base.to_dict(), "micro_batch_size": 8}) == free

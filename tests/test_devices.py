@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tuner import devices
+from tuner import devices, memory
 
 
 @pytest.fixture
@@ -89,9 +89,9 @@ def test_cpu_peak_is_measured_and_cached(tmp_path, monkeypatch):
 
 
 def test_cpu_peak_memory_counts_resident_growth():
-    base = devices.reset_peak_memory("cpu")
+    base = memory.reset_peak_memory("cpu")
     buf = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    alloc, reserved = devices.peak_memory("cpu", base)
+    alloc, reserved = memory.peak_memory("cpu", base)
     del buf
     assert alloc >= 60 * 2**20
     assert alloc == reserved
@@ -195,7 +195,7 @@ def test_cuda_memory_reports_fragmentation_from_the_allocator_peaks(monkeypatch)
     reading runs in benchmarks/cuda_measure.py."""
     stats = {"allocated_bytes.all.peak": 700, "reserved_bytes.all.peak": 1000, "active_bytes.all.peak": 760}
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: stats)
-    peak = devices.memory_peak("cuda")
+    peak = memory.memory_peak("cuda")
     assert (peak.allocated, peak.reserved, peak.active, peak.fragmentation) == (700, 1000, 760, 300)
 
 
@@ -203,12 +203,12 @@ def test_cuda_memory_reports_fragmentation_from_the_allocator_peaks(monkeypatch)
 # allocate, touch and free 16 MiB, and print how much of it stayed resident.
 _KEPT_AFTER_FREE = """
 import torch
-from tuner import devices
-exact = devices.exact_host_memory("cpu")
+from tuner import devices, memory
+exact = memory.exact_host_memory("cpu")
 x = torch.ones(24 * 2**20 // 4); del x
-base = devices.reset_peak_memory("cpu")
+base = memory.reset_peak_memory("cpu")
 y = torch.ones(16 * 2**20 // 4); del y
-print(exact, devices._proc_status_kb("VmRSS") * 1024 - base)
+print(exact, memory._proc_status_kb("VmRSS") * 1024 - base)
 """
 
 
@@ -220,7 +220,7 @@ def test_exact_host_memory_hands_freed_tensors_back(tmp_path):
     import subprocess
 
     def kept(mode: str) -> tuple[str, int]:
-        env = {**os.environ, devices.HOST_MEMORY_ENV: mode}
+        env = {**os.environ, memory.HOST_MEMORY_ENV: mode}
         out = subprocess.run([sys.executable, "-c", _KEPT_AFTER_FREE], env=env, capture_output=True,
                              text=True, check=True).stdout.split()  # fmt: skip
         return out[0], int(out[1])
@@ -231,8 +231,45 @@ def test_exact_host_memory_hands_freed_tensors_back(tmp_path):
     assert default_kept > 12 * 2**20 and exact_kept < 4 * 2**20
 
 
+# In a fresh process: hold 32 MiB and pass through a 24 MiB temporary (the timed steps' peak; glibc
+# then serves blocks under 24 MiB from its heap), leave a 16 MiB hole freed under a live 1 MiB
+# block, then read a held-memory step that holds a 20 MiB temporary for 50 ms.
+_HELD_STEP = """
+import time
+import torch
+from tuner import memory
+base = memory.reset_peak_memory("cpu")
+live = torch.ones(32 * 2**20 // 4)
+x = torch.ones(24 * 2**20 // 4); del x
+hole = torch.ones(16 * 2**20 // 4); above = torch.ones(2**20 // 4); del hole
+timed = memory.memory_peak("cpu", base)
+held = memory.held_memory("cpu", base)
+with held:
+    t = torch.ones(20 * 2**20 // 4); time.sleep(0.05); del t
+peak = held.peak(timed)
+print(timed.reserved, held.held, peak.allocated, peak.reserved, peak.fragmentation)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and /proc")
+def test_held_memory_reads_what_a_cpu_rank_holds_apart_from_the_heaps_slack():
+    """A CPU rank's allocated peak is what it holds (32 + 1 MiB here, not the 16 MiB hole glibc
+    kept resident after a free) plus its held step's transient (20 MiB): neither the timed steps'
+    peak nor the resident set. Reserved keeps the timed peak; their difference is reported as
+    fragmentation, as on CUDA."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _HELD_STEP], capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    timed, held, allocated, reserved, frag = (int(v) / 2**20 for v in out)
+    assert 32 <= held <= 38, held  # 49+ if the hole had stayed resident
+    assert 20 <= allocated - held <= 21, (allocated, held)
+    assert reserved == timed >= 55
+    assert frag == max(0, reserved - allocated)
+
+
 def test_cpu_memory_has_no_allocator_view():
-    peak = devices.memory_peak("cpu", devices.reset_peak_memory("cpu"))
+    peak = memory.memory_peak("cpu", memory.reset_peak_memory("cpu"))
     assert peak.allocated == peak.reserved and peak.active is None and peak.fragmentation is None
 
 

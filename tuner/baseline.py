@@ -24,7 +24,8 @@ def _pick(space: SearchSpace, name: str, preferred: list[Any]) -> Any:
 
 
 def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> Config:
-    """Largest micro-batch that fits (per the estimator), no recompute, flash attention where
+    """Largest micro-batch predicted to fit (the estimate times the device's reserved/allocated
+    prior, within the budget), no recompute, flash attention where
     available, dp over all devices, other knobs at defaults; AMP O1 with the device's preferred
     fast dtype (bf16, then fp16) when the space has one, else fp32 (O0).
 
@@ -58,8 +59,8 @@ def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> C
     values["attention"] = _pick(space, "attention", attention)
     sizes = sorted(space.domains["micro_batch_size"] or (1,), reverse=True)
     candidates = [Config(**{**values, "micro_batch_size": m}) for m in sizes]
-    for config in candidates:
-        if verdict(config, recipe, device).reason is None:
+    for config in candidates:  # predicted to fit: the search's margin for estimator error is not for it
+        if verdict(config, recipe, device, margin=0.0).reason is None:
             return config
     # Nothing fits: the smallest micro-batch is the honest baseline; the study prunes it.
     return candidates[-1]

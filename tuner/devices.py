@@ -13,7 +13,6 @@ import importlib
 import json
 import os
 import platform
-import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -334,97 +333,6 @@ def synchronize(family: str) -> None:
         torch.cuda.synchronize()
     elif family == "npu":
         torch.npu.synchronize()
-
-
-def _proc_status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def reset_peak_memory(family: str) -> int:
-    """Start a fresh peak-memory window; return the baseline (bytes) later peaks are relative to.
-
-    On CPU torch keeps no allocator statistics, so the peak is the process's resident-set high
-    water mark (VmHWM), reset through /proc/self/clear_refs, and the baseline is the RSS now.
-    """
-    if family == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return 0
-    if family == "npu":
-        torch.npu.reset_peak_memory_stats()
-        return 0
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _proc_status_kb("VmRSS") * 1024
-
-
-def peak_memory(family: str, baseline: int = 0) -> tuple[int, int]:
-    """(allocated, reserved) peak bytes since `reset_peak_memory`."""
-    peak = memory_peak(family, baseline)
-    return peak.allocated, peak.reserved
-
-
-@dataclass(frozen=True)
-class MemoryPeak:
-    """Peak memory of one rank since `reset_peak_memory`, as the device's allocator reports it."""
-
-    allocated: int  # bytes in tensors
-    reserved: int  # bytes the caching allocator holds from the device
-    active: int | None = None  # bytes in active blocks (incl. freed-but-not-yet-reusable); CUDA/NPU
-
-    @property
-    def fragmentation(self) -> int | None:
-        """Reserved minus allocated at the peak: what the pool holds but no tensor uses. The two
-        peaks may fall at different moments, so this bounds the waste at the allocation peak from
-        above. None on CPU, where there is no caching allocator (both read the resident set)."""
-        return None if self.active is None else max(0, self.reserved - self.allocated)
-
-
-def memory_peak(family: str, baseline: int = 0) -> MemoryPeak:
-    """CPU: allocated and reserved are both the resident-set growth over `baseline` (RSS high
-    water mark - baseline); CUDA/NPU: the allocator's peak statistics."""
-    if family in ("cuda", "npu"):
-        stats = (torch.cuda if family == "cuda" else torch.npu).memory_stats()
-        return MemoryPeak(
-            allocated=int(stats.get("allocated_bytes.all.peak", 0)),
-            reserved=int(stats.get("reserved_bytes.all.peak", 0)),
-            active=int(stats.get("active_bytes.all.peak", 0)),
-        )
-    hwm = _proc_status_kb("VmHWM") * 1024
-    if hwm == 0:  # no /proc: fall back to getrusage (kilobytes on Linux)
-        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    growth = max(0, hwm - baseline)
-    return MemoryPeak(growth, growth)
-
-
-HOST_MEMORY_ENV = "TUNER_HOST_MEMORY"  # =exact: a CPU rank measures the bytes it holds
-_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES = -3, 128 * 1024  # glibc's mallopt key, its first value
-
-
-def exact_host_memory(family: str) -> bool:
-    """With `TUNER_HOST_MEMORY=exact`, make a CPU rank's resident set follow its live memory:
-    glibc's malloc then maps every block of 128 KiB or more on its own and unmaps it when freed.
-    Called before the memory baseline; True when it was done (CPU, glibc, the variable set).
-
-    By default glibc raises that threshold to the largest block freed (up to 32 MiB) and its heap
-    keeps freed chunks resident, so the RSS peak grows step after step with the heap's
-    fragmentation, not with the config (numbers in docs/DESIGN.md, "CPU memory"). Exact mode
-    costs page faults on every large allocation (+40% to +70% CPU time per step on llama-tiny):
-    it is for measuring memory (the estimator's benchmark), not for timing.
-    """
-    if family != "cpu" or os.environ.get(HOST_MEMORY_ENV, "") != "exact":
-        return False
-    import ctypes
-
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):  # not glibc
-        return False
 
 
 # The allocator's environment variable per family, and what each `alloc_conf` knob value adds.

@@ -6,15 +6,26 @@ Both cost no device time, so the study asks these first and tells the trial PRUN
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tuner.config import Config, infeasible_reasons
 from tuner.devices import DeviceInfo
-from tuner.estimate import OOM_MARGIN, Estimate, budget_bytes, estimate, predicts_oom
+from tuner.estimate import OOM_MARGIN, Estimate, budget_bytes, estimate, predicts_oom, reserved_ratio_prior
 from tuner.recipe import Recipe
+from tuner.record import keys
 
-__all__ = ["OOM_MARGIN", "OomFloor", "Verdict", "calibration_factor", "oom_floor", "verdict"]
+__all__ = [
+    "OOM_MARGIN",
+    "OomFloor",
+    "Verdict",
+    "budget_peak",
+    "calibration_factor",
+    "oom_floor",
+    "study_calibration",
+    "verdict",
+]
 
 
 @dataclass(frozen=True)
@@ -24,20 +35,35 @@ class Verdict:
     memory_budget_bytes: int | None = None
 
 
-def calibration_factor(pairs: list[tuple[float, float]], minimum: int = 3) -> float:
+def calibration_factor(pairs: list[tuple[float, float]], minimum: int = 3, prior: float = 1.0) -> float:
     """How much measured peaks exceed the estimator's predictions in this study so far.
 
     `pairs` are (measured peak, estimated peak) of trials that ran to completion. The median
-    ratio, once `minimum` trials have both, bounded to [0.5, 2]; 1 before that. On the CPU table
+    ratio, once `minimum` trials have both, bounded to [0.5, 2]; `prior` before that. On the CPU table
     (benchmarks/tables/cpu-gpt-tiny.csv) the ratio is 1.17 (0.98 to 1.46): scaling by it lets the
     OOM check catch 21 of 53 over-budget configs instead of 6, with no config wrongly pruned.
     """
     ratios = sorted(m / e for m, e in pairs if m and e and m > 0 and e > 0)
     if len(ratios) < minimum:
-        return 1.0
+        return prior
     mid = len(ratios) // 2
     median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
     return min(2.0, max(0.5, median))
+
+
+def budget_peak(attrs: Mapping[str, Any]) -> int | None:
+    """The stored peak a trial's memory budget is checked against: reserved (what the device's
+    pool, or a CPU rank's process, held at its peak), else allocated where only that is stored."""
+    return attrs.get(keys.PEAK_MEM_RESERVED_BYTES) or attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES)
+
+
+def study_calibration(attrs: Iterable[Mapping[str, Any]], device: DeviceInfo) -> float:
+    """`calibration_factor` over completed trials' stored attributes. The estimator predicts the
+    allocated peak; the budget is checked against `budget_peak`, so the factor scales the one to
+    the other and carries the pool's slack (glibc's heap on CPU) the estimator does not model:
+    the device's `reserved_ratio_prior` until the study has measured three."""
+    pairs = [(budget_peak(a), a.get(keys.ESTIMATED_PEAK_MEM_BYTES)) for a in attrs]
+    return calibration_factor(pairs, prior=reserved_ratio_prior(device.family))
 
 
 def _floor_group(config: Config) -> tuple:
@@ -74,14 +100,17 @@ def verdict(
     config: Config,
     recipe: Recipe,
     device: DeviceInfo,
-    calibration: float = 1.0,
+    calibration: float | None = None,
     floor: OomFloor | None = None,
     est: Estimate | None = None,
+    margin: float = OOM_MARGIN,
 ) -> Verdict:
     """Feasibility first (cheap, certain), then the memory estimate against the budget, then
     the OOM floor.
 
-    `calibration` scales the estimate by what this study measured so far (`calibration_factor`);
+    `calibration` scales the estimate by what this study measured so far (`study_calibration`;
+    None: the device's `reserved_ratio_prior`, as before any trial); `margin`, how far over the
+    budget a scaled estimate may be and still be tried (`OOM_MARGIN`);
     `floor` holds what ran out of memory in it (`oom_floor`); `est`, the config's estimate when
     the caller has it already (the model sampler judges thousands of configs per trial).
     """
@@ -91,14 +120,19 @@ def verdict(
     est = est or estimate(recipe, config, device)
     budget = budget_bytes(recipe, device)
     peak = int(est.peak_mem_bytes)
-    if predicts_oom(est, budget, calibration=calibration):
+    if calibration is None:
+        calibration = reserved_ratio_prior(device.family)
+    if predicts_oom(est, budget, margin, calibration):
         predicted = int(peak * calibration)
         scaled = (
-            f" (estimate x{calibration:.2f}, as measured peaks ran in this study)" if calibration != 1 else ""
+            f" (estimate x{calibration:.2f}, the measured/estimated peak ratio of this study, or of "
+            "the device before three trials)"
+            if calibration != 1
+            else ""
         )
         return Verdict(
             f"predicted out of memory: peak {predicted / 2**30:.3f} GiB per device{scaled} "
-            f"exceeds the {budget / 2**30:.3f} GiB budget (margin {OOM_MARGIN:.0%})",
+            f"exceeds the {budget / 2**30:.3f} GiB budget (margin {margin:.0%})",
             peak,
             budget,
         )

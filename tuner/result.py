@@ -56,7 +56,7 @@ class TrialResult:
     peak_mem_allocated_bytes: int | None = None
     peak_mem_reserved_bytes: int | None = None
     peak_mem_active_bytes: int | None = None  # CUDA/NPU allocator only
-    mem_fragmentation_bytes: int | None = None  # reserved - allocated at the peak (CUDA/NPU)
+    mem_fragmentation_bytes: int | None = None  # reserved - allocated at the peak
     estimated_peak_mem_bytes: int | None = None
     loss: float | None = None
     error: str | None = None
@@ -85,6 +85,11 @@ class TrialResult:
     def from_dict(cls, d: dict[str, Any]) -> TrialResult:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+    @property
+    def budget_peak(self) -> int | None:
+        """The peak the memory budget is checked against (`tuner.prune.budget_peak`, stored)."""
+        return self.peak_mem_reserved_bytes or self.peak_mem_allocated_bytes
 
     @property
     def overhead_s(self) -> float | None:

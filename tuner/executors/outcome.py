@@ -96,7 +96,7 @@ def _failed_result(status: str, rank: int, err: dict) -> TrialResult:
 
 def _check_budget(spec: TrialSpec, result: TrialResult) -> TrialResult:
     budget = spec.memory_budget_bytes
-    peak = result.peak_mem_reserved_bytes or result.peak_mem_allocated_bytes
+    peak = result.budget_peak
     if result.status == OK and budget and peak and peak > budget:
         result.status = OOM
         result.error_kind = "budget"

@@ -40,9 +40,11 @@ def _row(c: Config) -> list[float]:
 
 
 class MemoryModel:
-    """log(measured / estimated peak) ~ N(x . beta, s^2), fitted with a ridge prior."""
+    """log(measured / estimated peak) ~ N(x . beta, s^2), fitted with a ridge prior centred on the
+    device's reserved/allocated ratio (`tuner.estimate.reserved_ratio_prior`)."""
 
-    def __init__(self, observations: Sequence[Observation] = ()):
+    def __init__(self, observations: Sequence[Observation] = (), prior_ratio: float = 1.0):
+        self.centre = math.log(prior_ratio)
         pairs = [
             (o.config, math.log(o.peak_mem_bytes / o.estimated_peak_mem_bytes))
             for o in observations
@@ -59,7 +61,7 @@ class MemoryModel:
         precision = np.eye(p) * RIDGE
         precision[0, 0] = 1.0 / RATIO_PRIOR_SD**2
         x = np.array([_row(c) for c, _ in pairs], dtype=float).reshape(len(pairs), p)
-        y = np.array([r for _, r in pairs])
+        y = np.array([r - self.centre for _, r in pairs])
         a = x.T @ x + precision * RATIO_PRIOR_SD**2  # in units of the misfit variance
         self.beta = np.linalg.solve(a, x.T @ y) if pairs else np.zeros(p)
         resid = y - x @ self.beta if pairs else np.zeros(0)
@@ -72,7 +74,7 @@ class MemoryModel:
         """(mean, sd) of the log ratio per config, the sd covering a new trial's scatter."""
         x = np.array([_row(c) for c in configs], dtype=float).reshape(len(configs), len(self.beta))
         var = np.einsum("ij,jk,ik->i", x, self.cov, x) + self.sd**2
-        return x @ self.beta, np.sqrt(var)
+        return x @ self.beta + self.centre, np.sqrt(var)
 
     def p_fit(self, configs: Sequence[Config], estimates: Sequence[float], budget: float) -> np.ndarray:
         """Probability that each config's measured peak stays within `budget` bytes."""

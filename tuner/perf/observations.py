@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuner.config import Config, ConfigError, shape_reasons
+from tuner.prune import budget_peak
 from tuner.recipe import Recipe, RecipeError, recipe_from_dict
 from tuner.record import keys
 from tuner.record.status import OK, OOM
@@ -26,7 +27,7 @@ class Observation:
     status: str  # ok or oom
     tokens_per_s: float | None
     rel_sd: float  # relative sd of the measured step time
-    peak_mem_bytes: float | None
+    peak_mem_bytes: float | None  # the budget's peak (`tuner.prune.budget_peak`)
     estimated_peak_mem_bytes: float | None
 
     @property
@@ -65,7 +66,7 @@ def observation(recipe: Recipe, params: dict[str, Any], attrs: dict[str, Any]) -
     tps = attrs.get(keys.TOKENS_PER_S)
     if status == OK and not (isinstance(tps, (int, float)) and tps > 0 and math.isfinite(tps)):
         return None
-    peak = attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES)
+    peak = budget_peak(attrs)
     return Observation(
         recipe=recipe,
         config=config,

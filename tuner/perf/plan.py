@@ -13,6 +13,7 @@ import numpy as np
 from tuner.baseline import baseline_config
 from tuner.config import Config
 from tuner.devices import DeviceInfo, describe, resolve_family
+from tuner.estimate import reserved_ratio_prior
 from tuner.perf.candidates import candidates
 from tuner.perf.observations import Observation, fingerprint_observations
 from tuner.perf.predictor import Predicted, Predictor
@@ -135,7 +136,8 @@ def ranked_plan(
     wide = dataclasses.replace(device, count=max(device.count, n))
     predictor = Predictor(device, priors or device_priors(device)).fit(observations)
     same = [o for o in observations if o.recipe.hash() == target.hash() and o.peak_mem_bytes]
-    calibration = calibration_factor([(o.peak_mem_bytes, o.estimated_peak_mem_bytes) for o in same])
+    pairs = [(o.peak_mem_bytes, o.estimated_peak_mem_bytes) for o in same]
+    calibration = calibration_factor(pairs, prior=reserved_ratio_prior(device.family))
     best = sorted((o for o in same if o.tokens_per_s), key=lambda o: -(o.tokens_per_s or 0))[:3]
     # The baseline's neighbours are always ranked, even when the space is only sampled.
     around = [baseline_config(target, wide, space), *(o.config for o in best)]

@@ -12,7 +12,7 @@ import numpy as np
 
 from tuner.config import Config
 from tuner.devices import DeviceInfo
-from tuner.estimate import budget_bytes
+from tuner.estimate import budget_bytes, reserved_ratio_prior
 from tuner.perf.fitting import Fit, fit
 from tuner.perf.memory import MemoryModel
 from tuner.perf.model import Features, features
@@ -55,7 +55,7 @@ class Predictor:
         self.device = device
         self.priors = priors or device_priors(device)
         self.time_fit: Fit = fit(*self._data([]), self.priors)
-        self.memory = MemoryModel()
+        self.memory = MemoryModel(prior_ratio=reserved_ratio_prior(device.family))
         self.observations: list[Observation] = []
 
     def _data(self, obs: Sequence[Observation]) -> tuple[Features, np.ndarray, np.ndarray]:
@@ -69,7 +69,7 @@ class Predictor:
         self.observations = list(observations)
         start = self.time_fit if self.time_fit.n else None
         self.time_fit = fit(*self._data(ok), self.priors, start)
-        self.memory = MemoryModel(observations)
+        self.memory = MemoryModel(observations, reserved_ratio_prior(self.device.family))
         return self
 
     def features(self, recipe: Recipe, configs: Sequence[Config]) -> tuple[list[StepWork], Features]:

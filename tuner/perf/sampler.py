@@ -22,7 +22,7 @@ from tuner.perf.model import Features
 from tuner.perf.observations import study_observations
 from tuner.perf.predictor import Predictor
 from tuner.perf.priors import DevicePriors
-from tuner.prune import calibration_factor, oom_floor, verdict
+from tuner.prune import oom_floor, study_calibration, verdict
 from tuner.recipe import Recipe
 from tuner.record import keys
 from tuner.record.status import OOM
@@ -171,9 +171,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
             if t.user_attrs.get(keys.CONFIG_KEY):
                 tried.add(t.user_attrs[keys.CONFIG_KEY])
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
-        calibration = calibration_factor(
-            [(t.user_attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES), t.user_attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES)) for t in complete]
-        )  # fmt: skip
+        calibration = study_calibration((t.user_attrs for t in complete), ctx.device)
         floor = oom_floor(
             (c, t.user_attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES), t.number)
             for t in trials

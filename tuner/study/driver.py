@@ -18,9 +18,10 @@ from optuna.trial import FrozenTrial, TrialState
 from tuner.baseline import baseline_config, fp32_reference
 from tuner.config import Config
 from tuner.devices import describe, resolve_family
+from tuner.estimate import reserved_ratio_prior
 from tuner.executors.base import Executor
 from tuner.fingerprint import fingerprint, fingerprint_hash
-from tuner.prune import OomFloor, calibration_factor, oom_floor, verdict
+from tuner.prune import OomFloor, oom_floor, study_calibration, verdict
 from tuner.recipe import Recipe
 from tuner.record import keys
 from tuner.record.ranking import rank_trials
@@ -87,7 +88,7 @@ class Driver:
         self.finished: list[FrozenTrial] = []
         self.done = 0
         self.measured: dict[str, int] = {}
-        self.calibration = 1.0
+        self.calibration = reserved_ratio_prior(self.device.family)
         self.floor = OomFloor()  # what ran out of memory bounds the configs estimated larger
         self.best: float | None = None
         self._ranked_at: tuple[int, int] | None = None  # (finished trials, study attrs) last ranked
@@ -157,9 +158,7 @@ class Driver:
             if t.state in (TrialState.COMPLETE, TrialState.FAIL) and keys.STATUS in t.user_attrs
         }
         complete = [t for t in self.finished if t.state == TrialState.COMPLETE]
-        self.calibration = calibration_factor(
-            [(t.user_attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES), t.user_attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES)) for t in complete]
-        )  # fmt: skip
+        self.calibration = study_calibration((t.user_attrs for t in complete), self.device)
         self.floor = oom_floor(
             (config_from_params(t.params), t.user_attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES), t.number)
             for t in self.finished
@@ -367,7 +366,7 @@ class Driver:
         if not ok:
             self.study.tell(trial, state=TrialState.FAIL)
             return False
-        peak = result.peak_mem_reserved_bytes or result.peak_mem_allocated_bytes
+        peak = result.budget_peak
         budget = p.spec.memory_budget_bytes
         if peak is not None and budget:
             # Feasible when <= 0: a config over the memory budget can never be the best.

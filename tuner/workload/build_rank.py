@@ -235,7 +235,7 @@ def main(spec_path: str) -> int:
     # torch is imported only now, after TORCHINDUCTOR_CACHE_DIR is set.
     import torch.distributed as dist
 
-    from tuner.devices import reset_peak_memory
+    from tuner.memory import reset_peak_memory
     from tuner.workload.parallel import RankEnv, set_rank_threads
     from tuner.workload.run import _write_json, error_record
 

@@ -13,9 +13,10 @@ them to make a trial slow or fail on purpose):
 - `TUNER_TEST_FAULT_RANK=<rank>`: the rank the fault hits (default 0).
 
 Measurement hook:
-- `TUNER_HOST_MEMORY=exact`: on CPU, freed memory leaves the process at once, so the peak
-  (resident-set growth) is what the rank really holds rather than what glibc's heap kept; slower
-  steps (`tuner.devices.exact_host_memory`). The estimator's benchmark sets it.
+- `TUNER_HOST_MEMORY=exact`: on CPU, freed memory leaves the process at once for the whole trial,
+  so even the timed steps' peak (resident-set growth) is what the rank holds rather than what
+  glibc's heap kept; slower steps (`tuner.memory.exact_host_memory`). Without it a CPU rank
+  reads that figure (its `allocated`) from one untimed step after the timed ones (`HeldMemory`).
 
 Build hook (a build's launch.sh sets it, next to TORCHINDUCTOR_CACHE_DIR):
 - `TUNER_COMPILE_CACHE=<file>`: load this portable compile cache (a build's compile-cache.bin, from
@@ -38,16 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tuner.devices import (
-    alloc_env,
-    describe,
+from tuner.devices import alloc_env, describe, is_oom, peak_tflops, synchronize
+from tuner.memory import (
     exact_host_memory,
-    is_oom,
+    held_memory,
     memory_peak,
     peak_memory,
-    peak_tflops,
     reset_peak_memory,
-    synchronize,
 )
 from tuner.recipe import MeasureSpec
 from tuner.record.status import ERROR, OK, OOM
@@ -214,6 +212,11 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
               f"{train.n_microbatches} microbatches/step, {train.local_params():,} params on rank 0", flush=True)  # fmt: skip
     run, losses = measure_adaptive(train, spec, baseline)
     mem = memory_peak(spec.family, baseline)
+    held = held_memory(spec.family, baseline)
+    if held is not None:  # CPU: what the rank holds, apart from the heap's slack (one more step)
+        with held:
+            train.step()
+        mem = held.peak(mem)
     # The worst rank's peak; -1 stands for "not reported" (CPU has no allocator view).
     alloc, reserved, active, frag = _max_over_ranks(
         [
