@@ -15,7 +15,7 @@ from api.schemas import TrialPublic
 from tuner.db import FINAL_STATES, Build, Job
 from tuner.record import keys
 from tuner.record.reader import StudyRecord, read_study
-from tuner.record.status import STATES, STATUSES
+from tuner.record.status import COMPLETE_STATE, OK, STATES, STATUSES
 from tuner.record.trial import TrialRecord
 from tuner.record.winner import Verdict, job_verdict
 
@@ -112,7 +112,7 @@ def _cached_config(key: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
 
 
 def _config_of(params: dict[str, Any]) -> dict[str, Any]:
-    config = TrialRecord(0, "complete", "ok", [], params, {}, None, None).config()
+    config = TrialRecord(0, COMPLETE_STATE, OK, [], params, {}, None, None).config()
     return config.to_dict() if config else params
 
 

@@ -257,13 +257,15 @@ def _fill_study(url: str, name: str, n: int) -> None:
         ]
         attrs += [{"trial_id": tid, "key": "status", "value_json": json.dumps(status)},
                   {"trial_id": tid, "key": "tokens_per_s", "value_json": json.dumps(float(i))}]  # fmt: skip
-    from optuna.storages._rdb import models as m
+    # Through the declarations pinned to Optuna's schema (tests/test_optuna_tables.py), not
+    # Optuna's private models.
+    from tuner import optuna_tables as t
 
     with get_engine(url).begin() as conn:
-        conn.execute(insert(m.TrialModel.__table__), trials)
-        conn.execute(insert(m.TrialValueModel.__table__), values)
-        conn.execute(insert(m.TrialParamModel.__table__), params)
-        conn.execute(insert(m.TrialUserAttributeModel.__table__), attrs)
+        conn.execute(insert(t.trials), trials)
+        conn.execute(insert(t.values), values)
+        conn.execute(insert(t.params), params)
+        conn.execute(insert(t.user_attrs), attrs)
 
 
 def test_trials_page_fast_over_ten_thousand_trials(client, auth, url):

@@ -1,6 +1,6 @@
-"""Bad input through every command that reads a recipe (measure, tune, show, build, nightly): exit 2,
-one line naming the file and what is wrong, never a traceback. Also the option names every command
-spells the same way, and that every command's --help shows an example."""
+"""Bad input through every command that reads a recipe (measure, tune, show, plan, build,
+nightly): exit 2, one line naming the file and what is wrong, never a traceback. Also the option
+names every command spells the same way, and that every command's --help shows an example."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ COMMANDS = {
     "measure": lambda path: ["measure", path],
     "tune": lambda path: ["tune", path],
     "show": lambda path: ["show", path],
+    "plan": lambda path: ["plan", path],
     "build": lambda path: ["build", path],
     "nightly": lambda path: ["nightly", path, "--local"],
 }

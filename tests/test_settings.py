@@ -92,3 +92,17 @@ def test_the_worker_takes_the_service_settings(no_path_settings):
     assert (w.max_trials, w.remeasure_top, w.build, w.executor, w.poll_s) == (7, 0, False, "local", 0.5)
     assert w.database_url == f"sqlite:///{no_path_settings / 'tuner.db'}"
     assert Path(w.artifact_dir) == no_path_settings / "builds"
+
+
+def test_a_relative_cache_dir_reaches_trial_ranks_as_the_directory_the_command_started_in(
+    no_path_settings, monkeypatch
+):
+    """Ranks run in the trial's own directory: `TUNER_CACHE_DIR=cache` used to become
+    runs/<trial>/cache, so every trial measured the device's peak again in a cache of its own."""
+    from tuner.executors.local import trial_env
+
+    monkeypatch.setenv("TUNER_CACHE_DIR", "cache")
+    assert trial_env()["TUNER_CACHE_DIR"] == str(no_path_settings / "cache")
+    assert trial_env({"TUNER_CACHE_DIR": "/srv/cache"})["TUNER_CACHE_DIR"] == "/srv/cache"
+    monkeypatch.delenv("TUNER_CACHE_DIR")
+    assert "TUNER_CACHE_DIR" not in trial_env()  # unset stays unset: the device layer's default

@@ -36,3 +36,19 @@ def test_two_significant(value, text):
 def test_negative_durations_are_refused():
     with pytest.raises(ValueError, match="finite number of seconds"):
         human_duration(-1)
+
+
+def test_tune_and_show_print_search_cost_and_payback_in_human_units():
+    """What `tuner tune` and `tuner show` print (a 10x speedup once printed `after 0.00 h`)."""
+    from rich.console import Console
+
+    from tuner.cli.tune import _print_cost
+    from tuner.summary import StudySummary
+
+    summary = StudySummary("s", "sqlite://", speedup=10.0, payback_hours=0.0012)
+    summary.device_seconds = {"ok": 150.0, "oom": 36.0, "total": 186.0}
+    out = Console(record=True, width=200)
+    _print_cost(out, summary)
+    text = out.export_text()
+    assert "search cost: 3.1 min of device time (ok 2.5 min, oom 36 s)" in text
+    assert "pays for itself after 4.3 s of training" in text and " h " not in text

@@ -72,6 +72,15 @@ def runs_dir(environ: Mapping[str, str] | None = None, cwd: str | Path | None = 
     return absolute_path(env.get("TUNER_RUNS_DIR") or DEFAULT_RUNS_DIR, cwd)
 
 
+def cache_dir(environ: Mapping[str, str] | None = None, cwd: str | Path | None = None) -> Path | None:
+    """`TUNER_CACHE_DIR` (the device layer's measured peaks), absolute; None: not set (the device
+    layer then uses ~/.cache/tuner). Trial ranks read it in their own directory, so a relative
+    value must be resolved here, before a trial starts."""
+    env = os.environ if environ is None else environ
+    raw = (env.get("TUNER_CACHE_DIR") or "").strip()
+    return absolute_path(raw, cwd) if raw else None
+
+
 def mlflow_tracking_uri(
     environ: Mapping[str, str] | None = None, cwd: str | Path | None = None
 ) -> str | None:

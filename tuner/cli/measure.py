@@ -20,6 +20,7 @@ from tuner.cli.common import (
     parse_sets,
     refuse_renamed_timeout,
 )
+from tuner.record.status import OK
 
 HELP = """Measure ONE training config of RECIPE on this machine's devices.
 
@@ -100,7 +101,7 @@ def measure(
         _print_result(result, spec, config)
         if copied:
             _print_profile(copied)
-    if profile is not None and not copied and result.status == "ok":
+    if profile is not None and not copied and result.status == OK:
         err_console.print(f"[yellow]warning:[/] the trial wrote no profile under {spec.workdir}/profile")
 
 

@@ -87,7 +87,13 @@ def run_trial(
 
 def trial_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a trial's processes: this one's, `env` on top, and this `tuner` importable."""
+    from tuner.settings import cache_dir
+
     child_env = {**os.environ, **(env or {})}
+    # The ranks run in the trial's directory: a relative TUNER_CACHE_DIR would be a new one there.
+    cache = cache_dir(child_env)
+    if cache is not None:
+        child_env["TUNER_CACHE_DIR"] = str(cache)
     # The ranks must import this same `tuner`, wherever the caller found it.
     package_root = str(Path(__file__).resolve().parents[2])
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)

@@ -10,7 +10,7 @@ from typing import Any
 from tuner.nightly.history import Tonight, Tune, run_tag
 from tuner.recipe import Recipe
 from tuner.record import keys
-from tuner.record.status import RUNNING, WAITING
+from tuner.record.status import OK, RUNNING, WAITING
 
 
 def local_fingerprint_hash(recipe: Recipe) -> str:
@@ -186,9 +186,7 @@ def api_tuner(
             best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")
             tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
             if enqueue:
-                ok = _call(
-                    client, "GET", f"/v1/jobs/{job['id']}/trials", params={"status": "ok", "limit": 500}
-                )
+                ok = _call(client, "GET", f"/v1/jobs/{job['id']}/trials", params={"status": OK, "limit": 500})
                 tonight.remeasured_previous_tokens_per_s = _tokens_of(enqueue[0], ok["items"])
             return tonight
 

@@ -35,7 +35,7 @@ from tuner.optuna_tables import user_attrs as attrs_t
 from tuner.optuna_tables import values as values_t
 from tuner.record import keys
 from tuner.record.ranking import Ranking, rank_trials
-from tuner.record.status import FINISHED_STATES, status_of
+from tuner.record.status import FINISHED_STATES, WAITING, status_of
 from tuner.record.trial import TrialRecord
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ def _heads(session: Session, sid: int, known: Finished) -> tuple[list[TrialRecor
             if row.started_at is None:  # snapshot rows carry no times: the trials table has them
                 row.started_at, row.finished_at = started, completed
         else:
-            row = TrialRecord(number, state, "waiting", [], {}, {}, started, completed, tid)
+            row = TrialRecord(number, state, WAITING, [], {}, {}, started, completed, tid)
             todo[tid] = row
         out.append(row)
     return out, todo

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from tuner.record import keys
+from tuner.record.status import OK
 from tuner.settings import SettingsError, mlflow_tracking_uri
 
 log = logging.getLogger("tuner.tracking")
@@ -94,7 +95,7 @@ class MlflowTracker:
             metrics=[Metric(k, v, 0, 0) for k, v in _numeric(result).items()],
             params=[Param(k, v) for k, v in params.items()],
         )
-        self.client.set_terminated(run.info.run_id, "FINISHED" if status == "ok" else "FAILED")
+        self.client.set_terminated(run.info.run_id, "FINISHED" if status == OK else "FAILED")
         self.runs[number] = run.info.run_id
 
     def study_done(self, event: dict[str, Any]) -> None:
