@@ -44,6 +44,7 @@ from tuner.memory import (
     exact_host_memory,
     held_memory,
     memory_peak,
+    one_malloc_heap,
     peak_memory,
     reset_peak_memory,
 )
@@ -318,6 +319,7 @@ def main(spec: TrialSpec) -> int:
     # Before the device's allocator starts (the first CUDA/NPU call reads its settings).
     os.environ.update(alloc_env(spec.family, spec.config.get("alloc_conf", "default")))
     exact_host_memory(spec.family)  # TUNER_HOST_MEMORY=exact: see the module docstring
+    one_malloc_heap(spec.family)  # so the held-memory step can hand every freed byte back
     # Before the model exists: CPU peak memory is growth of the resident set over this point.
     baseline = reset_peak_memory(spec.family)
     workdir = Path(spec.workdir)
