@@ -333,6 +333,24 @@ def test_best_of_a_running_job_follows_new_trials(client, auth, url):
     assert client.get(f"/v1/jobs/{job_id}/best", headers=auth).json()["trial"] == 30
 
 
+def test_a_trials_result_says_where_it_ran(client, auth, url):
+    """A multi-node trial's listing names its node count and each rank's node, so a user sees
+    which ranks shared a machine."""
+    job_id = _submit(client, auth).json()["id"]
+    with session_scope(url) as s:
+        job = s.get(Job, job_id)
+        job.state, job.study_name = "running", "spread"
+    import optuna
+
+    study = optuna.create_study(study_name="spread", storage=url, direction="maximize")
+    trial = study.ask({"micro_batch_size": optuna.distributions.CategoricalDistribution([1, 2])})
+    for key, value in {"status": "ok", "tokens_per_s": 10.0, "nodes": 2, "rank_nodes": ["a", "b"]}.items():
+        trial.set_user_attr(key, value)
+    study.tell(trial, 10.0)
+    [row] = client.get(f"/v1/jobs/{job_id}/trials", headers=auth).json()["items"]
+    assert (row["result"]["nodes"], row["result"]["rank_nodes"]) == (2, ["a", "b"])
+
+
 # ---- events -------------------------------------------------------------------------------------
 
 

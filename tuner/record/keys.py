@@ -58,6 +58,7 @@ NODE = "node"
 NODES = "nodes"  # distinct nodes the trial's ranks ran on
 RANK_NODES = "rank_nodes"  # each rank's node id, by rank: which ranks shared a node
 EVIDENCE_KEYS = (ERROR_KIND, LOSSES, STEP_TIMES, BREAKDOWN, LOG_PATH, LOG_TAIL, NODE, NODES, RANK_NODES)
+WHERE_KEYS = (NODE, NODES, RANK_NODES)  # where a trial ran: listed with its result over REST
 
 # ---- what the study driver records about a trial -------------------------------------------------
 ROLE = "role"  # why the trial ran: baseline, fp32_reference, warm_start, previous_best, retry, ...

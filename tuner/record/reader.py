@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # the few trials shown whole (`with_all_attrs`).
 ROW_ATTRS = (
     *keys.RESULT_KEYS,
+    *keys.WHERE_KEYS,  # the /v1 trial listing says where each ran
     keys.ROLE,
     keys.PRUNED_REASON,
     keys.DUPLICATE_OF,
