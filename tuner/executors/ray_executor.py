@@ -55,6 +55,12 @@ from tuner.result import TrialResult, TrialSpec
 # cancel() first asks each task to stop its trial (run_trial's kill takes at most ~2 * 3 s), then
 # force-kills the workers that did not finish in this time.
 CANCEL_GRACE_S = 10.0
+# How long one read of a part's stream may block. `next()` on Ray's ObjectRefGenerator has no
+# bound: at the end of a stream it waits for the task's return, which never came for a cancelled
+# part whose peer node was killed, and the driver hung until the trial's own timeout (300 s in
+# the node-kill test) with the force-cancel never reached.
+READ_TIMEOUT_S = 0.5
+_NOT_YET = object()  # `_read`: nothing to read yet
 # Ray's per-node resource view trails a task's start and end by ~0.1 s; free_slots counts a trial
 # that ended less than this long ago as possibly still held in that view.
 RESOURCE_LAG_S = 2.0
@@ -198,6 +204,8 @@ class RayExecutor(Executor):
     def _advance(self, trial: Trial, part: Part) -> TrialResult | None:
         """Read the next item a part's task produced; the trial's TrialResult once it is over."""
         item = self._read(trial, part)
+        if item is _NOT_YET:
+            return None
         if item is None:
             if part.node_rank == 0 and len(trial.parts) == 1:  # node 0 told the rendezvous address
                 master = {k: part.where[k] for k in ("master_addr", "master_port")}
@@ -239,13 +247,17 @@ class RayExecutor(Executor):
         for rank in range(len(trial.parts), trial.nnodes):
             trial.parts.append(Part(None, rank, result=error_result(trial.spec, "cancelled", "not started")))
 
-    def _read(self, trial: Trial, part: Part) -> TrialResult | None:
-        """The part's next item: None for where it runs (kept in `part.where`), else its result."""
+    def _read(self, trial: Trial, part: Part) -> Any:
+        """The part's next item: None for where it runs (kept in `part.where`), its result, or
+        `_NOT_YET` when the stream has nothing within READ_TIMEOUT_S."""
         import ray
         from ray.exceptions import OutOfMemoryError, RayError, RayTaskError, TaskCancelledError
 
         try:
-            item = ray.get(next(part.gen))
+            ref = part.gen._next_sync(timeout_s=READ_TIMEOUT_S)  # next(gen), bounded (Ray 2.60)
+            if ref.is_nil():
+                return _NOT_YET
+            item = ray.get(ref)
         except StopIteration:
             return error_result(trial.spec, "worker_died", "the Ray task ended without a result", part.where)
         except TaskCancelledError:
@@ -343,7 +355,9 @@ class RayExecutor(Executor):
             for gen in ready:
                 trial, part = next((t, p) for t, p in left if p.gen is gen)
                 item = self._read(trial, part)
-                if item is not None:
+                if item is _NOT_YET:
+                    time.sleep(0.05)  # ready by ray.wait, yet the stream's end is still to come
+                elif item is not None:
                     part.result = item
                     left.remove((trial, part))
                     if part.where:
@@ -384,7 +398,7 @@ def _await_end(gen, timeout_s: float = 2.0) -> None:
     with contextlib.suppress(Exception):  # StopIteration when it has returned; anything else: gone
         ready, _ = ray.wait([gen], timeout=timeout_s)
         if ready:
-            next(gen)
+            gen._next_sync(timeout_s=timeout_s)  # next(gen), bounded: see READ_TIMEOUT_S
 
 
 def _first_lines(err: BaseException, lines: int = 4) -> str:
