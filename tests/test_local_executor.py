@@ -312,3 +312,24 @@ def test_real_hang_times_out_and_leaves_no_process(real_trials):
     assert res.status == "timeout" and f"timeout of {HANG_TIMEOUT_S}s" in res.error
     assert session_pids(res.extra["session"]) == []
     assert HANG_TIMEOUT_S <= res.wall_s < HANG_TIMEOUT_S + local.TERM_GRACE_S + 5
+
+
+def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause(tmp_path):
+    """Seen in CI: rank 1 raised, and rank 0, whose gloo connection rank 1 closed, exited first
+    (both within 1 ms). The trial's error is rank 1's, whatever the exit order."""
+    from tuner.executors.outcome import classify
+
+    lost = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40000"
+    records = {0: ("DistBackendError", lost), 1: ("RuntimeError", "TUNER_TEST_FAULT=raise: injected failure")}
+    for first in (0, 1):
+        work = tmp_path / f"first{first}"
+        work.mkdir()
+        exits = [{"rank": r, "returncode": 1, "t": float(i)} for i, r in enumerate((first, 1 - first))]
+        (work / "exits.json").write_text(json.dumps({"exits": exits}))
+        for rank, (kind, text) in records.items():
+            record = {"status": "error", "error_kind": kind, "error": text}
+            (work / f"rank{rank}.error.json").write_text(json.dumps(record))
+        spec = TrialSpec(recipe={}, config={}, family="cpu", workdir=str(work))
+        res = classify(spec, work, 1, "exited")
+        assert res.error.startswith("rank 1: TUNER_TEST_FAULT=raise"), (first, res.error)
+        assert res.error_kind == "RuntimeError"

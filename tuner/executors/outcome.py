@@ -14,6 +14,19 @@ from tuner.result import TrialResult, TrialSpec
 
 LOG_TAIL_LINES = 40
 _OOM_TEXTS = ("CUDA out of memory", "NPU out of memory", "OutOfMemoryError", "out of memory")
+# What a rank reports when a peer died under it (gloo, NCCL/HCCL, the store): a consequence.
+_PEER_LOST_TEXTS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "caused by a remote worker crashing",
+)
+
+
+def _lost_a_peer(err: dict | None) -> bool:
+    text = (err or {}).get("error") or ""
+    return any(t in text for t in _PEER_LOST_TEXTS)
 
 
 def read_json(path: Path) -> dict | None:
@@ -44,10 +57,13 @@ def classify(
             error_kind="launcher",
             error=f"trial launcher exited with code {launcher_rc} before recording the ranks: {launcher_log}",
         )
-    # Exit order matters: the first rank to fail is the cause, later ones usually lost a peer.
+    # The first rank to fail is the cause; later ones usually lost a peer. Exit order says which
+    # came first unless a peer's lost-connection error exited as fast (both within 1 ms seen), so
+    # a rank that only lost a peer never comes before one that failed on its own.
     order = [(int(e["rank"]), int(e["returncode"])) for e in exits["exits"]]
     failed = [(r, rc) for r, rc in order if rc != 0]
     errors = {r: read_json(workdir / f"rank{r}.error.json") for r, _ in failed}
+    failed.sort(key=lambda f: _lost_a_peer(errors[f[0]]))  # stable: exit order within each kind
     if not failed and not expect_result:
         return TrialResult(status=OK)
     if not failed:
