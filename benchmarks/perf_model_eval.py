@@ -29,6 +29,7 @@ from tuner.devices import describe  # noqa: E402
 from tuner.perf.observations import Observation  # noqa: E402
 from tuner.perf.predictor import Predictor  # noqa: E402
 from tuner.recipe import recipe_from_dict  # noqa: E402
+from tuner.result import budget_peak  # noqa: E402
 
 
 def table_observations(path: str) -> tuple[object, list[tuple[Observation, list[float]]]]:
@@ -47,8 +48,7 @@ def table_observations(path: str) -> tuple[object, list[tuple[Observation, list[
             status="ok",
             tokens_per_s=float(r["tokens_per_s"]),
             rel_sd=0.25 * float(r["step_time_spread"] or 0),
-            peak_mem_bytes=float(r.get("peak_mem_reserved_bytes") or r["peak_mem_allocated_bytes"] or 0)
-            or None,
+            peak_mem_bytes=float(budget_peak(r) or 0) or None,
             estimated_peak_mem_bytes=float(r["estimated_peak_mem_bytes"] or 0) or None,
         )
         out.append((obs, runs))

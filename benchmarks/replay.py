@@ -47,9 +47,8 @@ from tuner.baseline import baseline_config  # noqa: E402
 from tuner.config import KNOBS, Config, infeasible_reasons  # noqa: E402
 from tuner.devices import describe  # noqa: E402
 from tuner.executors.base import Executor  # noqa: E402
-from tuner.prune import budget_peak  # noqa: E402
 from tuner.recipe import recipe_from_dict  # noqa: E402
-from tuner.result import TrialResult, TrialSpec  # noqa: E402
+from tuner.result import TrialResult, TrialSpec, budget_peak  # noqa: E402
 from tuner.space import load_space  # noqa: E402
 
 STRATEGIES = ("tuner", "model", "tuner_tpe", "tpe", "random", "grid", "largest_mbs")
@@ -129,10 +128,12 @@ class Table:
 
 def _peaks(row: dict) -> dict[str, int | None]:
     """A row's peak columns as a trial stores them. Tables measured before CPU ranks read their
-    allocated peak apart (`tuner.memory.HeldMemory`) have one column, the RSS peak: it is both."""
-    allocated = int(float(row["peak_mem_allocated_bytes"] or 0)) or None
-    reserved = int(float(row.get("peak_mem_reserved_bytes") or 0)) or allocated
-    return {"peak_mem_allocated_bytes": allocated, "peak_mem_reserved_bytes": reserved}
+    allocated peak apart (`tuner.memory.HeldMemory`) have one column, the RSS peak, which
+    `budget_peak` then falls back to."""
+    return {
+        k: int(float(row.get(k) or 0)) or None
+        for k in ("peak_mem_allocated_bytes", "peak_mem_reserved_bytes")
+    }
 
 
 class TableExecutor(Executor):

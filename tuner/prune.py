@@ -15,12 +15,12 @@ from tuner.devices import DeviceInfo
 from tuner.estimate import OOM_MARGIN, Estimate, budget_bytes, estimate, predicts_oom, reserved_ratio_prior
 from tuner.recipe import Recipe
 from tuner.record import keys
+from tuner.result import budget_peak
 
 __all__ = [
     "OOM_MARGIN",
     "OomFloor",
     "Verdict",
-    "budget_peak",
     "calibration_factor",
     "oom_floor",
     "study_calibration",
@@ -49,12 +49,6 @@ def calibration_factor(pairs: list[tuple[float, float]], minimum: int = 3, prior
     mid = len(ratios) // 2
     median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
     return min(2.0, max(0.5, median))
-
-
-def budget_peak(attrs: Mapping[str, Any]) -> int | None:
-    """The stored peak a trial's memory budget is checked against: reserved (what the device's
-    pool, or a CPU rank's process, held at its peak), else allocated where only that is stored."""
-    return attrs.get(keys.PEAK_MEM_RESERVED_BYTES) or attrs.get(keys.PEAK_MEM_ALLOCATED_BYTES)
 
 
 def study_calibration(attrs: Iterable[Mapping[str, Any]], device: DeviceInfo) -> float:

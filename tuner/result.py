@@ -7,6 +7,7 @@ are fixed by DESIGN.md and used everywhere (CLI --json, trial user attributes, R
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,13 @@ BREAKDOWN_CATEGORIES = ("compute", "attention", "communication", "optimizer", "i
 
 # The public result keys, in display order (DESIGN.md), are defined with every stored key name.
 RESULT_KEYS = keys.RESULT_KEYS
+
+
+def budget_peak(values: Mapping[str, Any]) -> int | None:
+    """The peak a trial's memory budget is checked against, from its result keys (a result, its
+    stored attributes, a table row): reserved (what the device's pool, or a CPU rank's process,
+    held at its peak), else allocated where only that is known."""
+    return values.get(keys.PEAK_MEM_RESERVED_BYTES) or values.get(keys.PEAK_MEM_ALLOCATED_BYTES)
 
 
 @dataclass
@@ -88,8 +96,8 @@ class TrialResult:
 
     @property
     def budget_peak(self) -> int | None:
-        """The peak the memory budget is checked against (`tuner.prune.budget_peak`, stored)."""
-        return self.peak_mem_reserved_bytes or self.peak_mem_allocated_bytes
+        """The peak the memory budget is checked against (`budget_peak`)."""
+        return budget_peak(vars(self))
 
     @property
     def overhead_s(self) -> float | None:

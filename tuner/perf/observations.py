@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuner.config import Config, ConfigError, shape_reasons
-from tuner.prune import budget_peak
 from tuner.recipe import Recipe, RecipeError, recipe_from_dict
 from tuner.record import keys
 from tuner.record.status import OK, OOM
+from tuner.result import budget_peak
 from tuner.space import config_from_params
 
 # `step_time_ci` (issue 16) once the trial record defines it; until then the spread.
@@ -27,7 +27,7 @@ class Observation:
     status: str  # ok or oom
     tokens_per_s: float | None
     rel_sd: float  # relative sd of the measured step time
-    peak_mem_bytes: float | None  # the budget's peak (`tuner.prune.budget_peak`)
+    peak_mem_bytes: float | None  # the budget's peak (`tuner.result.budget_peak`)
     estimated_peak_mem_bytes: float | None
 
     @property
