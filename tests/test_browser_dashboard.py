@@ -30,15 +30,6 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 SHOTS = REPO / "test-artifacts" / "screenshots"
-CHROMIUM = "/usr/bin/chromium"
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 TINY = """\
 name: gpt-tiny-live
 model: {family: gpt, layers: 2, hidden: 64, heads: 2, seq_len: 64, vocab: 512}
@@ -130,18 +121,6 @@ def _tarball(path: Path) -> Path:
         tar.addfile(info, io.BytesIO(data))
     path.write_bytes(buf.getvalue())
     return path
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip("needs Debian's Chromium: apt-get install -y chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,11 @@ after the page's first view, with what the study measured for each planned confi
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from seed import seed_job
 from test_api_server import Server
-from test_browser_dashboard import ARGS, CHROMIUM, SHOTS
+from test_browser_dashboard import SHOTS
 
 from tuner.db import Job, session_scope
 from tuner.migrations import upgrade
@@ -45,18 +43,6 @@ def server(tmp_path_factory):
         yield {"base": api.base, "url": url, "predicted": predicted, "plain": plain}
     finally:
         api.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.skip("needs Debian's Chromium: apt-get install -y chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -7,20 +7,15 @@ Screenshots land in test-artifacts/screenshots/."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
+from chromium import NEEDS_CHROMIUM
 from plugin_env import install_test_plugin
 from test_api_server import Server
-from test_browser_dashboard import ARGS, CHROMIUM, _shot
+from test_browser_dashboard import _shot
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not Path(CHROMIUM).exists(), reason="needs Debian's Chromium: apt-get install -y chromium"
-    ),
-]
+pytestmark = [pytest.mark.slow, NEEDS_CHROMIUM]
 
 
 @pytest.fixture(scope="module")
@@ -36,22 +31,18 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(server):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
-        ctx.add_init_script(f"localStorage.setItem('tuner.token', {json.dumps(server['token'])})")
-        pg = ctx.new_page()
-        errors: list[str] = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.goto(f"{server['base']}/ui/jobs")
-        # The server's first listing imports transformers: seconds on a loaded machine.
-        pg.wait_for_selector("#models[data-loaded=true]", timeout=120_000)
-        yield pg
-        browser.close()
-        assert not errors, errors
+def page(server, browser):
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    ctx.add_init_script(f"localStorage.setItem('tuner.token', {json.dumps(server['token'])})")
+    pg = ctx.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(f"{server['base']}/ui/jobs")
+    # The server's first listing imports transformers: seconds on a loaded machine.
+    pg.wait_for_selector("#models[data-loaded=true]", timeout=120_000)
+    yield pg
+    ctx.close()
+    assert not errors, errors
 
 
 def test_the_form_lists_the_families_the_hf_types_and_each_plugins_options(page):

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from chromium import NEEDS_CHROMIUM
 from seed import seed_job, seed_study
-from test_browser_dashboard import ARGS, CHROMIUM, _free_port, _shot
+from test_browser_dashboard import _free_port, _shot
 
 from api.auth import create_token
 from tuner.db import Job, session_scope
@@ -26,12 +27,7 @@ from tuner.migrations import upgrade
 from tuner.record.reader import read_study
 from tuner.worker.wording import failure
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not Path(CHROMIUM).exists(), reason="needs Debian's Chromium: apt-get install -y chromium"
-    ),
-]
+pytestmark = [pytest.mark.slow, NEEDS_CHROMIUM]
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = """\
@@ -117,16 +113,12 @@ def service(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def context(service):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
-        # The token as the dashboard keeps it once entered (the prompt has its own test).
-        ctx.add_init_script(f"localStorage.setItem('tuner.token', {json.dumps(service['token'])})")
-        yield ctx
-        browser.close()
+def context(service, browser):
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    # The token as the dashboard keeps it once entered (the prompt has its own test).
+    ctx.add_init_script(f"localStorage.setItem('tuner.token', {json.dumps(service['token'])})")
+    yield ctx
+    ctx.close()
 
 
 @pytest.fixture
