@@ -163,7 +163,14 @@ class BestPublic(BaseModel):
     config: dict[str, Any] = Field(description="The winning knob setting (knobs that apply).")
     tokens_per_s: float = Field(description="Median over the trial and its re-measurements.")
     metrics: dict[str, Any] = Field(description="The winner's measured result keys.")
-    noise: float | None = None
+    noise: float | None = Field(
+        None, description="Relative: the larger of the spread over measurements and within the trial's steps."
+    )
+    interval: float | None = Field(
+        None,
+        description="Relative half-width of the throughput's 95% interval: the steps' interval and the "
+        "run-to-run noise, over the runs (null for trials measured before intervals existed).",
+    )
     baseline_tokens_per_s: float | None
     speedup: float | None = Field(description="Best over the default config's throughput.")
     tie: bool = Field(False, description="The runner-up is within measurement noise.")

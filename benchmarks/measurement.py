@@ -42,19 +42,30 @@ CONDITIONS = {
 DEFAULT = ("before", "local-warm", "ray-warm", "ray-before")
 
 
-def coverage(study) -> tuple[int, int]:
-    """(covered, pairs): re-measurements inside the first measurement's 95% throughput interval."""
+def coverage(study, steps_only: bool = False) -> tuple[int, int]:
+    """(covered, pairs): re-measurements inside the first measurement's 95% throughput interval,
+    as the ranking computes it (`throughput_interval` of one run: its steps' interval and the
+    run-to-run noise, which for each config is estimated from the study's OTHER re-measured configs
+    and the family prior, so no pair is judged by an interval it helped set). `steps_only`: the
+    steps' interval alone (what the interval was before the run-to-run term)."""
     from tuner.record import keys
+    from tuner.record.ranking import run_noise, throughput_interval
 
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
-    covered = pairs = 0
+    family = (study.user_attrs.get(keys.FINGERPRINT) or {}).get("family")
+    groups = {}
     for key, values in study.user_attrs.items():
-        if not key.startswith(keys.REMEASURED_PREFIX):
-            continue
-        first = trials[int(key.removeprefix(keys.REMEASURED_PREFIX))].user_attrs
-        tps, ci = first.get(keys.TOKENS_PER_S), first.get(keys.STEP_TIME_CI)
+        if key.startswith(keys.REMEASURED_PREFIX):
+            number = int(key.removeprefix(keys.REMEASURED_PREFIX))
+            groups[number] = [trials[number].user_attrs.get(keys.TOKENS_PER_S), *values]
+    covered = pairs = 0
+    for number, (tps, *values) in groups.items():
+        ci = trials[number].user_attrs.get(keys.STEP_TIME_CI)
         if not tps or ci is None:
             continue
+        if not steps_only:
+            others = [g for n, g in groups.items() if n != number and g[0]]
+            ci = throughput_interval(ci, run_noise(others, family))
         for v in values:
             pairs += 1
             covered += tps / (1 + ci) <= v <= tps / max(1e-9, 1 - ci)
@@ -110,6 +121,7 @@ def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
     device_s = sum(a.get(keys.DEVICE_SECONDS) or 0.0 for a in ran)
     device_s += study.user_attrs.get(keys.REMEASURE_DEVICE_SECONDS, 0.0)
     covered, pairs = coverage(study)
+    covered_steps_only, _ = coverage(study, steps_only=True)
     cis = [a[keys.STEP_TIME_CI] for a in ok if a.get(keys.STEP_TIME_CI) is not None]
     return {
         "condition": name,
@@ -128,6 +140,7 @@ def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
         "device_s_total": device_s,
         "study_wall_s": wall,
         "covered": covered,
+        "covered_steps_only": covered_steps_only,
         "remeasurements": pairs,
         "best_tokens_per_s": summary.best.tokens_per_s if summary.best else None,
         "tie": bool(summary.tie),

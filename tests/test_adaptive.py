@@ -136,3 +136,30 @@ def test_configs_whose_intervals_do_not_overlap_are_no_tie_whatever_their_spread
     assert rank_trials([record(0, 110.0, 0.02), record(1, 100.0, 0.02)], {0: [88.0]}).tie
     # Trials measured before intervals existed: the spread decides, as before.
     assert rank_trials([record(0, 110.0, None), record(1, 100.0, None)], {}).tie
+
+
+def test_run_to_run_noise_starts_at_the_family_prior_and_learns_from_re_measurements():
+    from tuner.record.ranking import RUN_NOISE_PRIOR, run_noise
+
+    assert run_noise([], "cpu") == pytest.approx(RUN_NOISE_PRIOR["cpu"])
+    assert run_noise([[100.0]], "cuda") == pytest.approx(RUN_NOISE_PRIOR["cuda"])  # one run says nothing
+    # 40 configs each measured twice, 10% apart (log sd 0.0674): the prior's 4 dof hardly count.
+    pairs = [[100.0 + i, (100.0 + i) * 1.1] for i in range(40)]
+    assert run_noise(pairs, "cuda") == pytest.approx(0.0643, abs=0.002)
+    assert run_noise([[100.0, 100.0]] * 40, "cpu") < 0.016  # runs that agree: a third of the prior
+
+
+def test_a_single_run_gap_within_the_run_to_run_noise_is_a_tie_until_re_measurements_agree():
+    from tuner.record.ranking import rank_trials
+
+    trials = [record(0, 110.0, 0.01), record(1, 100.0, 0.01)]
+    # On a CPU (run-to-run sd ~5%) one run each, 10% apart: their steps' intervals (1%) do not
+    # overlap, but the next run of either may land 10% elsewhere.
+    ranking = rank_trials(trials, {}, "cpu")
+    assert ranking.tie and ranking.best.ci > 0.09
+    # The same figures on a GPU, whose runs repeat to ~1%: a decision.
+    assert not rank_trials(trials, {}, "cuda").tie
+    # Re-measured in turns, each config repeats within 1%: the study's own noise replaces the prior.
+    again = {0: [109.5, 110.4, 110.1], 1: [100.3, 99.8, 100.6]}
+    ranking = rank_trials(trials, again, "cpu")
+    assert not ranking.tie and ranking.run_noise < 0.035

@@ -63,6 +63,10 @@ def _winners(url: str, job_id: int, recipe_path: str, study: str) -> dict[str, t
     show = CliRunner().invoke(cli, ["show", recipe_path, "--storage", url, "--study", study, "--json"])
     assert show.exit_code == 0, show.output
     shown = json.loads(show.output)["best"]
+    assert best["interval"] is not None, "the winner has no interval"
+    assert best["interval"] == card["interval"] == shown["ci"], (
+        "the readers give the winner different intervals"
+    )
     nightly = _top_configs(study, url, 1)[0]
     assert nightly == shown["config"], "the nightly's best config is another config"
     out = {

@@ -100,6 +100,7 @@ class FakeExecutor(Executor):
                     tokens_per_s=tps,
                     step_time_s=1.0 / tps,
                     step_time_spread=0.01,
+                    step_time_ci=0.02,
                     peak_mem_reserved_bytes=1000 * c.micro_batch_size,
                     losses=[7.6 * off, 7.5 * off, 7.4 * off],
                     wall_s=2.0,

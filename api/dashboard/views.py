@@ -82,14 +82,16 @@ def overview(session: Session, job: Job | None, study: StudyRecord | None) -> Fi
 
 def best_card(best, verdict: Verdict) -> dict[str, Any]:
     """The winner's trial whole, with the figure every view shows: its median tokens/s over every
-    measurement (`tokens_per_s`) and its interval (± `noise`, relative: the larger of the spread
-    over measurements and within the trial's steps), next to its first measurement."""
+    measurement (`tokens_per_s`) and its 95% interval (± `interval`, relative: the steps' interval
+    and the run-to-run noise; `noise`, the larger spread over measurements and within the trial's
+    steps, for trials measured before intervals existed), next to its first measurement."""
     card = best.detail()
     card.update(
         measured_tokens_per_s=card["tokens_per_s"],
         tokens_per_s=verdict.best.tokens_per_s,
         remeasured_tokens_per_s=verdict.best.remeasured_tokens_per_s,
         noise=verdict.best.noise,
+        interval=verdict.best.ci,
         winner_source=verdict.source,
     )
     return card

@@ -276,6 +276,7 @@ def read_best(job_id: JobId, session: SessionDep, _: ReadAuth):
         tokens_per_s=best.tokens_per_s,
         metrics=best.metrics,
         noise=best.noise,
+        interval=best.ci,
         baseline_tokens_per_s=verdict.baseline_tokens_per_s,
         speedup=verdict.speedup,
         tie=verdict.tie,

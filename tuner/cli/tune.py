@@ -287,6 +287,7 @@ def _print_best(out: Any, summary: StudySummary) -> None:
     peak = m.get("peak_mem_reserved_bytes")
     out.print(
         f"tokens/s [bold green]{best.tokens_per_s:,.0f}[/]"
+        + (f" ± {best.ci:.1%} (95%)" if best.ci is not None else "")
         + (f" (median of {1 + len(again)} runs)" if again else "")
         + f", step {_fmt(m.get('step_time_s'), ' s')}, MFU {_fmt(m.get('mfu'))}, "
         f"peak memory {_fmt(peak / 2**30 if peak else None, ' GiB')}"
@@ -309,10 +310,12 @@ def _print_top(out: Any, summary: StudySummary, top: int) -> None:
     from rich.table import Table
 
     tops = Table(title=f"top {min(top, len(summary.top_k))} configs")
-    for col in ("trial", "tokens/s", "noise", "config"):
+    for col in ("trial", "tokens/s", "± (95%)", "config"):
         tops.add_column(col)
     for e in summary.top_k[:top]:
-        tops.add_row(str(e.trial), f"{e.tokens_per_s:,.0f}", f"{e.noise:.1%}", short_config(e.config))
+        # The interval where the trial has one; the spread for trials measured before intervals.
+        width = e.ci if e.ci is not None else e.noise
+        tops.add_row(str(e.trial), f"{e.tokens_per_s:,.0f}", f"{width:.1%}", short_config(e.config))
     out.print(tops)
     for e in summary.flagged:
         out.print(f"[yellow]excluded[/] trial {e.trial}: {e.flag}")

@@ -114,7 +114,8 @@ class StudyRecord:
 
     def ranking(self) -> Ranking:
         """`rank_trials` of this version of the study."""
-        return self.cached("ranking", lambda: rank_trials(self.trials, self.remeasured))
+        family = self.fingerprint.get("family")
+        return self.cached("ranking", lambda: rank_trials(self.trials, self.remeasured, family))
 
     def cached(self, key: str, compute: Callable[[], Any]) -> Any:
         with self.lock:

@@ -81,8 +81,11 @@ function renderBest(best, speedup, build, job) {
   if (!best) return;
   $("best-summary").replaceChildren(
     el("strong", { id: "best-tokens" }, `${num(best.tokens_per_s)} tokens/s`), " ",
-    el("span", { id: "best-interval", class: "muted", title: "the larger of the spread over its measurements and within its steps" },
-      `± ${pct(best.noise)}`), " · trial ",
+    best.interval == null
+      ? el("span", { id: "best-interval", class: "muted", title: "the larger of the spread over its measurements and within its steps" },
+        `± ${pct(best.noise)}`)
+      : el("span", { id: "best-interval", class: "muted", title: "95% interval: its steps' interval and the run-to-run noise, over its runs" },
+        `± ${pct(best.interval)}`), " · trial ",
     isJob ? el("a", { href: compareHref(best.number) }, `#${best.number}`) : `#${best.number}`,
     " · speedup ", el("strong", { id: "best-speedup" }, speedup ? `${speedup.toFixed(2)}×` : "–"),
     " over the default config · MFU ", pct(best.mfu), " · peak ", bytes(best.peak_mem_allocated_bytes));
