@@ -5,7 +5,14 @@ each config's repeats) and predict every other config of the table. Reports, as 
 seeds: Spearman rank correlation of predicted and measured tokens/s, median |predicted/measured
 - 1|, and how often the measured value falls in the predicted 90% interval.
 
+`--history OTHER.csv` gives each fit every measured config of another model's table on the same
+machine as history, as a study's model sampler and `tuner plan` give it the trials of every
+earlier study of another model on the machine's fingerprint: fitted on their own, they set the
+fit's prior means (`Predictor.fit`).
+
     python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny.csv --seeds 30 --train 5
+    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-llama-tiny.csv --train 5 \
+        --history benchmarks/tables/cpu-gpt-tiny.csv
     python benchmarks/perf_model_eval.py TABLE.csv --train 5 --json
 """
 
@@ -61,8 +68,9 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def evaluate(path: str, seeds: int, train: int) -> dict:
+def evaluate(path: str, seeds: int, train: int, history: str | None = None) -> dict:
     recipe, rows = table_observations(path)
+    earlier = [obs for obs, _ in table_observations(history)[1]] if history else []
     device = describe("cpu")
     predictor = Predictor(device)
     configs = [o.config for o, _ in rows]
@@ -76,7 +84,7 @@ def evaluate(path: str, seeds: int, train: int) -> dict:
         for i in picked:
             obs, runs = rows[i]
             fitted.append(Observation(**{**obs.__dict__, "tokens_per_s": rng.choice(runs)}))
-        predictor.fit(fitted)
+        predictor.fit(fitted, history=earlier)
         p = predictor.predict(recipe, configs, cached)
         rest = np.array([i for i in range(len(rows)) if i not in set(picked)])
         pred, low, high, true = p.tokens_per_s[rest], p.tokens_low[rest], p.tokens_high[rest], truth[rest]
@@ -88,6 +96,8 @@ def evaluate(path: str, seeds: int, train: int) -> dict:
             }
         )
     out = {"table": Path(path).name, "seeds": seeds, "train": train, "configs": len(rows)}
+    if history:
+        out["history"] = f"{Path(history).name} ({len(earlier)} configs)"
     for k in per_seed[0]:
         out[k] = round(statistics.median(s[k] for s in per_seed), 4)
     return out
@@ -98,14 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("table", help="CSV written by benchmarks/make_table.py")
     ap.add_argument("--seeds", type=int, default=30)
     ap.add_argument("--train", type=int, default=5, help="measured configs the model is fitted to")
+    ap.add_argument("--history", help="another table of this machine whose configs every fit also sees")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    result = evaluate(args.table, args.seeds, args.train)
+    result = evaluate(args.table, args.seeds, args.train, args.history)
     if args.json:
         print(json.dumps(result))
     else:
         print(
-            f"{result['table']}: fitted to {args.train} of {result['configs']} configs, median over "
+            f"{result['table']}: fitted to {args.train} of {result['configs']} configs"
+            + (f" and {result['history']}" if args.history else "")
+            + f", median over "
             f"{args.seeds} seeds: Spearman {result['spearman']:.2f}, median |error| "
             f"{result['median_abs_error']:.1%}, 90% interval coverage {result['coverage_90']:.0%}"
         )

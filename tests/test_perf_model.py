@@ -214,6 +214,37 @@ def test_model_sampler_runs_only_feasible_unpruned_untried_configs(tmp_path, pri
     assert found >= 0.9 * best
 
 
+def _first_misses(url: str, study_name: str, n: int) -> list[float]:
+    """|measured / predicted - 1| of a study's first `n` measured trials."""
+    study = optuna.load_study(study_name=study_name, storage=url)
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    return [
+        abs(t.user_attrs[keys.TOKENS_PER_S] / t.user_attrs[keys.PREDICTED_TOKENS_PER_S] - 1) for t in done[:n]
+    ]
+
+
+def test_a_study_starts_from_what_earlier_studies_measured_on_the_machine(tmp_path, priors):
+    """The model sampler fits the trials of every earlier study on the fingerprint too (another
+    model's: the coefficients describe the device), so a second study's first predictions are
+    close, where a study on a fresh database starts from the device priors (off by design here)."""
+    first = recipe_from_dict(tiny())
+    doc = tiny()
+    doc["name"] = "perf-wider"
+    doc["model"] = {**doc["model"], "layers": 6, "hidden": 192, "heads": 6}
+    second = recipe_from_dict(doc)
+    shared = f"sqlite:///{tmp_path}/shared.db"
+    _study(first, shared, tmp_path / "a", trials=10)
+    _study(second, shared, tmp_path / "b", trials=4)
+    fresh = f"sqlite:///{tmp_path}/fresh.db"
+    _study(second, fresh, tmp_path / "c", trials=4)
+    name = next(n for n in optuna.get_all_study_names(shared) if "wider" in n)
+    informed = _first_misses(shared, name, 3)
+    cold = _first_misses(fresh, optuna.get_all_study_names(fresh)[0], 3)
+    assert len(informed) == len(cold) == 3
+    # The synthetic device answers with 3% noise: an informed model misses by about that.
+    assert max(informed) < 0.12 and np.median(cold) > 2 * np.median(informed), (informed, cold)
+
+
 def _median_error(plan, recipe, measured_keys: set[str]) -> float:
     rows = [r for r in plan.rows if Config.from_params(r.config).key() not in measured_keys]
     truth = true_tokens_per_s(recipe, [Config.from_params(r.config) for r in rows])

@@ -5,6 +5,7 @@ how tightly its step time was measured."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,9 +91,25 @@ def study_observations(recipe: Recipe, trials: list[Any]) -> list[Observation]:
     return out
 
 
-def fingerprint_observations(url: str, fingerprint_hash: str) -> list[Observation]:
-    """Every measured trial of every study on this fingerprint, any recipe: the model's
-    coefficients describe the device, so a different model's trials still teach it."""
+def by_model(
+    observations: Sequence[Observation], recipe: Recipe
+) -> tuple[list[Observation], list[Observation]]:
+    """(the observations of `recipe`'s model, the others'): the same model and training setup on
+    any devices and search fit one step-time model; another model's trials only set its priors
+    (`Predictor.fit`'s history)."""
+    mine = [o.recipe.model == recipe.model and o.recipe.train == recipe.train for o in observations]
+    return (
+        [o for o, m in zip(observations, mine, strict=True) if m],
+        [o for o, m in zip(observations, mine, strict=True) if not m],
+    )
+
+
+def fingerprint_observations(
+    url: str, fingerprint_hash: str, exclude: str | None = None
+) -> list[Observation]:
+    """Every measured trial of every study on this fingerprint (but the study named `exclude`),
+    any recipe: the model's coefficients describe the device, so a different model's trials
+    still teach it."""
     import optuna
 
     from tuner.db import session_scope
@@ -104,7 +121,7 @@ def fingerprint_observations(url: str, fingerprint_hash: str) -> list[Observatio
         studies = study_attrs_of_all(session, (keys.RECIPE, keys.FINGERPRINT_HASH))
     out: list[Observation] = []
     for name, attrs in sorted(studies.items()):
-        if attrs.get(keys.FINGERPRINT_HASH) != fingerprint_hash:
+        if attrs.get(keys.FINGERPRINT_HASH) != fingerprint_hash or name == exclude:
             continue
         try:
             recipe = recipe_from_dict(attrs.get(keys.RECIPE) or {})

@@ -15,7 +15,7 @@ from tuner.config import Config
 from tuner.devices import DeviceInfo, describe, resolve_family
 from tuner.estimate import reserved_ratio_prior
 from tuner.perf.candidates import candidates
-from tuner.perf.observations import Observation, fingerprint_observations
+from tuner.perf.observations import Observation, by_model, fingerprint_observations
 from tuner.perf.predictor import Predicted, Predictor
 from tuner.perf.priors import DevicePriors, device_priors
 from tuner.prune import calibration_factor, verdict
@@ -134,7 +134,7 @@ def ranked_plan(
     target = _for_devices(recipe, n)
     # Feasibility counts the devices asked for, not this machine's: a plan may go beyond it.
     wide = dataclasses.replace(device, count=max(device.count, n))
-    predictor = Predictor(device, priors or device_priors(device)).fit(observations)
+    predictor = Predictor(device, priors or device_priors(device)).fit(*by_model(observations, target))
     same = [o for o in observations if o.recipe.hash() == target.hash() and o.peak_mem_bytes]
     pairs = [(o.peak_mem_bytes, o.estimated_peak_mem_bytes) for o in same]
     calibration = calibration_factor(pairs, prior=reserved_ratio_prior(device.family))

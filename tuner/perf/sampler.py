@@ -19,7 +19,7 @@ from tuner.config import Config, ConfigError
 from tuner.devices import DeviceInfo
 from tuner.perf.candidates import candidates
 from tuner.perf.model import Features
-from tuner.perf.observations import study_observations
+from tuner.perf.observations import Observation, by_model, study_observations
 from tuner.perf.predictor import Predictor
 from tuner.perf.priors import DevicePriors
 from tuner.prune import oom_floor, study_calibration, verdict
@@ -46,6 +46,10 @@ class SamplerContext:
     recipe: Recipe
     space: SearchSpace
     device: DeviceInfo
+    # Measured trials of earlier studies on this machine's fingerprint (any recipe): a study on a
+    # machine that was tuned before starts from what that machine measured rather than from the
+    # device table's priors alone (`Predictor.fit`: this model's trials are data, others' priors).
+    history: tuple[Observation, ...] = ()
 
 
 def _normal_cdf(z: np.ndarray) -> np.ndarray:
@@ -72,6 +76,8 @@ class ModelSampler(optuna.samplers.BaseSampler):
         self.context = context
         self.seed = seed
         self.predictor = Predictor(context.device, priors)
+        # Earlier studies of this model are more of its trials; other models' set the priors.
+        self._earlier, self._others = by_model(context.history, context.recipe)
         self._tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
         self._choice: dict[int, Config] = {}
         self._fitted_on: int | None = None
@@ -126,7 +132,8 @@ class ModelSampler(optuna.samplers.BaseSampler):
     def _refit(self, trials: list[FrozenTrial]) -> None:
         finished = sum(t.state.is_finished() for t in trials)
         if finished != self._fitted_on:
-            self.predictor.fit(study_observations(self.context.recipe, trials))
+            own = study_observations(self.context.recipe, trials)
+            self.predictor.fit([*self._earlier, *own], self._others)
             self._fitted_on = finished
 
     def _missing(self, trials: list[FrozenTrial]) -> bool:

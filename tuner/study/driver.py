@@ -21,6 +21,7 @@ from tuner.devices import describe, resolve_family
 from tuner.estimate import reserved_ratio_prior
 from tuner.executors.base import Executor
 from tuner.fingerprint import fingerprint, fingerprint_hash
+from tuner.perf.observations import fingerprint_observations
 from tuner.prune import OomFloor, oom_floor, study_calibration, verdict
 from tuner.recipe import Recipe
 from tuner.record import keys
@@ -103,7 +104,10 @@ class Driver:
         )
         n_before = len(probe.get_trials(deepcopy=False))
         # Offset the seed by the history so a resumed random/grid search does not replay itself.
-        context = SamplerContext(self.recipe, self.space, self.device)
+        history = ()
+        if self.budget.sampler == "model":
+            history = tuple(fingerprint_observations(self.url, fingerprint_hash(self.fp), exclude=self.name))
+        context = SamplerContext(self.recipe, self.space, self.device, history)
         sampler = make_sampler(self.budget.sampler, self.budget.seed + n_before, self.multi, context)
         self.study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
         if keys.RECIPE not in self.study.user_attrs:
