@@ -4,6 +4,7 @@ measurement's interval covers its re-measurements, and the spread of one config 
 
     python benchmarks/measurement.py studies recipes/gpt-tiny.yaml --trials 12 --json out.json
     python benchmarks/measurement.py repeat recipes/gpt-tiny.yaml --times 5
+    python benchmarks/measurement.py repeat recipes/gpt-tiny.yaml --times 5 --set cpu_affinity=per_rank
     python benchmarks/measurement.py pair recipes/gpt-tiny.yaml --repeats 2
 
 `studies` runs, one after the other in one process (so all see the same machine):
@@ -172,7 +173,8 @@ def repeat(args) -> dict[str, Any]:
     values, cis = [], []
     for _ in range(args.times):
         out = subprocess.run(
-            [sys.executable, "-m", "tuner.cli.main", "measure", args.recipe, "--json"],
+            [sys.executable, "-m", "tuner.cli.main", "measure", args.recipe, "--json"]
+            + [arg for knob in args.set for arg in ("--set", knob)],
             capture_output=True,
             text=True,
             check=True,
@@ -183,7 +185,7 @@ def repeat(args) -> dict[str, Any]:
         print(
             f"  {doc['tokens_per_s']:,.0f} tokens/s (ci {doc['step_time_ci']})", file=sys.stderr, flush=True
         )
-    return {"tokens_per_s": values, "step_time_ci": cis, "max_over_min": max(values) / min(values),
+    return {"set": args.set, "tokens_per_s": values, "step_time_ci": cis, "max_over_min": max(values) / min(values),
             "load_avg_1min": round(os.getloadavg()[0], 1)}  # fmt: skip
 
 
@@ -241,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("repeat", help="one config measured several times with `tuner measure`")
     r.add_argument("recipe")
     r.add_argument("--times", type=int, default=5)
+    r.add_argument(
+        "--set", action="append", default=[], metavar="KNOB=VALUE", help="as `tuner measure --set`"
+    )
     w = sub.add_parser("pair", help="the plain config, warm and cold start alternately")
     w.add_argument("recipe")
     w.add_argument("--repeats", type=int, default=2)
