@@ -224,8 +224,8 @@ def _first_misses(url: str, study_name: str, n: int) -> list[float]:
 
 
 def test_a_study_starts_from_what_earlier_studies_measured_on_the_machine(tmp_path, priors):
-    """The model sampler fits the trials of every earlier study on the fingerprint too (another
-    model's: the coefficients describe the device), so a second study's first predictions are
+    """The model sampler starts from the earlier studies on the fingerprint (another model's
+    trials, fitted on their own, set its prior means), so a second study's first predictions are
     close, where a study on a fresh database starts from the device priors (off by design here)."""
     first = recipe_from_dict(tiny())
     doc = tiny()

@@ -97,11 +97,10 @@ def by_model(
     """(the observations of `recipe`'s model, the others'): the same model and training setup on
     any devices and search fit one step-time model; another model's trials only set its priors
     (`Predictor.fit`'s history)."""
-    mine = [o.recipe.model == recipe.model and o.recipe.train == recipe.train for o in observations]
-    return (
-        [o for o, m in zip(observations, mine, strict=True) if m],
-        [o for o, m in zip(observations, mine, strict=True) if not m],
-    )
+    same, other = [], []
+    for o in observations:
+        (same if o.recipe.model == recipe.model and o.recipe.train == recipe.train else other).append(o)
+    return same, other
 
 
 def fingerprint_observations(

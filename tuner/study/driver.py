@@ -103,11 +103,12 @@ class Driver:
             study_name=self.name, storage=self.storage, directions=directions, load_if_exists=True
         )
         n_before = len(probe.get_trials(deepcopy=False))
-        # Offset the seed by the history so a resumed random/grid search does not replay itself.
+        # The model sampler starts from what earlier studies measured on this machine.
         history = ()
         if self.budget.sampler == "model":
             history = tuple(fingerprint_observations(self.url, fingerprint_hash(self.fp), exclude=self.name))
         context = SamplerContext(self.recipe, self.space, self.device, history)
+        # Offset the seed by the trials so far so a resumed random/grid search does not replay itself.
         sampler = make_sampler(self.budget.sampler, self.budget.seed + n_before, self.multi, context)
         self.study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
         if keys.RECIPE not in self.study.user_attrs:
