@@ -3,6 +3,7 @@ without, the study's device time before and after adaptive measurement, how ofte
 measurement's interval covers its re-measurements, and the spread of one config measured 5 times.
 
     python benchmarks/measurement.py studies recipes/gpt-tiny.yaml --trials 12 --json out.json
+    python benchmarks/measurement.py studies recipes/gpt-tiny.yaml --trials 12 --conditions local-warm --remeasure-top 6 --rounds 3
     python benchmarks/measurement.py repeat recipes/gpt-tiny.yaml --times 5
     python benchmarks/measurement.py repeat recipes/gpt-tiny.yaml --times 5 --set cpu_affinity=per_rank
     python benchmarks/measurement.py pair recipes/gpt-tiny.yaml --repeats 2
@@ -43,14 +44,16 @@ CONDITIONS = {
 DEFAULT = ("before", "local-warm", "ray-warm", "ray-before")
 
 
-def coverage(study, steps_only: bool = False) -> tuple[int, int]:
-    """(covered, pairs): re-measurements inside the first measurement's 95% throughput interval,
-    as the ranking computes it (`throughput_interval` of one run: its steps' interval and the
-    run-to-run noise, which for each config is estimated from the study's OTHER re-measured configs
-    and the family prior, so no pair is judged by an interval it helped set). `steps_only`: the
-    steps' interval alone (what the interval was before the run-to-run term)."""
+def coverage(study, interval: str = "rerun") -> tuple[int, int]:
+    """(covered, pairs): re-measurements inside the first measurement's 95% interval, as the
+    ranking computes it, with the run-to-run noise of each config estimated from the study's OTHER
+    re-measured configs and the family prior (so no pair is judged by an interval it helped set).
+    `interval`: "rerun" (`rerun_interval`: where another run lands, the issue's check), "true"
+    (`throughput_interval`: the config's true throughput, which a second noisy run falls outside
+    more often by construction) or "steps" (the steps' interval alone, as before the run-to-run
+    term)."""
     from tuner.record import keys
-    from tuner.record.ranking import run_noise, throughput_interval
+    from tuner.record.ranking import rerun_interval, run_noise, throughput_interval
 
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     family = (study.user_attrs.get(keys.FINGERPRINT) or {}).get("family")
@@ -64,9 +67,9 @@ def coverage(study, steps_only: bool = False) -> tuple[int, int]:
         ci = trials[number].user_attrs.get(keys.STEP_TIME_CI)
         if not tps or ci is None:
             continue
-        if not steps_only:
-            others = [g for n, g in groups.items() if n != number and g[0]]
-            ci = throughput_interval(ci, run_noise(others, family))
+        if interval != "steps":
+            noise = run_noise([g for n, g in groups.items() if n != number and g[0]], family)
+            ci = (rerun_interval if interval == "rerun" else throughput_interval)(ci, noise)
         for v in values:
             pairs += 1
             covered += tps / (1 + ci) <= v <= tps / max(1e-9, 1 - ci)
@@ -86,7 +89,11 @@ def start_cpu_s(workdir: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
+def run_condition(
+    recipe, name: str, trials: int, seed: int, top: int | None = None, rounds: int | None = None
+) -> dict[str, Any]:
+    """One study under condition `name`; `top` and `rounds` replace its re-measured configs and
+    re-measurement rounds (more pairs for the coverage figure)."""
     import optuna
 
     import tuner.study.remeasure as remeasure
@@ -94,11 +101,12 @@ def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
     from tuner.record import keys
     from tuner.study import run_study
 
-    kind, warm_on, adaptive, top = CONDITIONS[name]
+    kind, warm_on, adaptive, default_top = CONDITIONS[name]
+    top = default_top if top is None else top
     if not adaptive:
         fixed = {"warmup_steps": 2, "steps": 5, "target_ci": None}
         recipe = recipe.model_copy(update={"measure": recipe.measure.model_copy(update=fixed)})
-    remeasure.ROUNDS = 2 if adaptive else 1
+    remeasure.ROUNDS = rounds or (2 if adaptive else 1)
     env = {"TUNER_WARM_START": "1" if warm_on else "0"}
     tmp = tempfile.mkdtemp(prefix=f"tuner-measure-{name}-")
     url = f"sqlite:///{tmp}/study.db"
@@ -122,7 +130,8 @@ def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
     device_s = sum(a.get(keys.DEVICE_SECONDS) or 0.0 for a in ran)
     device_s += study.user_attrs.get(keys.REMEASURE_DEVICE_SECONDS, 0.0)
     covered, pairs = coverage(study)
-    covered_steps_only, _ = coverage(study, steps_only=True)
+    covered_true, _ = coverage(study, "true")
+    covered_steps_only, _ = coverage(study, "steps")
     cis = [a[keys.STEP_TIME_CI] for a in ok if a.get(keys.STEP_TIME_CI) is not None]
     return {
         "condition": name,
@@ -141,6 +150,7 @@ def run_condition(recipe, name: str, trials: int, seed: int) -> dict[str, Any]:
         "device_s_total": device_s,
         "study_wall_s": wall,
         "covered": covered,
+        "covered_true_interval": covered_true,
         "covered_steps_only": covered_steps_only,
         "remeasurements": pairs,
         "best_tokens_per_s": summary.best.tokens_per_s if summary.best else None,
@@ -163,7 +173,7 @@ def studies(args) -> list[dict[str, Any]]:
                     address="local", num_cpus=args.ray_cpus, include_dashboard=False, logging_level="ERROR"
                 )
         print(f"== {name}", file=sys.stderr, flush=True)
-        rows.append(run_condition(recipe, name, args.trials, args.seed))
+        rows.append(run_condition(recipe, name, args.trials, args.seed, args.remeasure_top, args.rounds))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
@@ -238,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--trials", type=int, default=12)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--ray-cpus", type=int, default=2)
+    s.add_argument("--remeasure-top", type=int, help="configs re-measured (default: the condition's, 3 or 0)")
+    s.add_argument("--rounds", type=int, help="re-measurement rounds (default: 2 adaptive, 1 before)")
     s.add_argument("--conditions", nargs="+", default=list(DEFAULT), choices=list(CONDITIONS))
     s.add_argument("--json", help="also write the rows to this file")
     r = sub.add_parser("repeat", help="one config measured several times with `tuner measure`")

@@ -195,6 +195,16 @@ def _run_with_progress(spec, config):
     return box["r"]
 
 
+def _rerun_half_width(result, spec) -> float | None:
+    """Relative half-width of the 95% interval another run of this config lands in: its steps'
+    interval and the device family's run-to-run noise (`tuner.record.ranking.rerun_interval`)."""
+    if result.step_time_ci is None or not result.tokens_per_s:
+        return None
+    from tuner.record.ranking import rerun_interval, run_noise
+
+    return rerun_interval(result.step_time_ci, run_noise((), spec.family))
+
+
 def _json_document(result, spec) -> dict[str, Any]:
     doc = result.public()
     doc["extra"] = {
@@ -203,6 +213,7 @@ def _json_document(result, spec) -> dict[str, Any]:
         "wall_s": result.wall_s,
         "measured_s": result.measured_s,
         "overhead_s": result.overhead_s,
+        "rerun_interval": _rerun_half_width(result, spec),
         "step_times": result.step_times,
         "losses": result.losses,
         "breakdown": result.breakdown,
@@ -249,6 +260,12 @@ def _print_result(result, spec, config) -> None:
         if key == "error" and value is None:
             continue
         table.add_row(key, _fmt(key, value) if key != "status" else f"[{style}]{value}[/]")
+    half = _rerun_half_width(result, spec)
+    if half is not None:
+        low, high = result.tokens_per_s / (1 + half), result.tokens_per_s / max(1e-9, 1 - half)
+        table.add_row(
+            "a re-run", f"{low:,.0f}-{high:,.0f} tokens/s (95%, with the {spec.family} run-to-run noise)"
+        )
     if result.wall_s is not None:
         overhead = result.overhead_s
         share = f" ({overhead / result.wall_s:.0%} outside measured steps)" if overhead is not None else ""

@@ -53,6 +53,15 @@ def throughput_interval(step_ci: float, noise: float, runs: int = 1) -> float:
     return math.sqrt((step_ci**2 + (Z95 * noise) ** 2) / max(1, runs))
 
 
+def rerun_interval(step_ci: float, noise: float) -> float:
+    """Relative half-width of the 95% interval in which ANOTHER run of a config lands, around one
+    run that had the step interval `step_ci`: the two runs differ by both runs' steps and twice the
+    run-to-run `noise` (the second run's steps taken as wide as the first's). `throughput_interval`
+    bounds the config's true throughput; a re-run is a second noisy draw, so it scatters sqrt(2)
+    times as far (an interval of the true throughput covers a re-run about 83% of the time)."""
+    return math.sqrt(2.0) * throughput_interval(step_ci, noise)
+
+
 @dataclass(frozen=True)
 class Ranked:
     """A completed trial as the ranking sees it."""
