@@ -154,3 +154,39 @@ def test_a_failed_trial_still_exits_0_and_shows_its_status(recipe, tmp_path):
     assert "trial: timeout" in out.stdout
     assert "ran past its timeout of 1s" in out.stdout
     assert (tmp_path / "w" / "trial.log").exists()
+
+
+@pytest.mark.slow
+def test_measurements_started_together_each_report_their_own_config(recipe, tmp_path):
+    """Two `tuner measure` runs started in the same second, from one directory, with the default
+    work directory: each must report its own trial (they once shared a directory named by the
+    second and both printed whichever result was written last)."""
+    env = {**os.environ, "COLUMNS": "200"}
+    runs = {
+        mbs: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tuner.cli.main",
+                "measure",
+                str(recipe),
+                "--set",
+                f"micro_batch_size={mbs}",
+                "--json",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for mbs in (1, 2)
+    }
+    docs = {}
+    for mbs, proc in runs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        docs[mbs] = json.loads(out)
+    assert {mbs: d["extra"]["config"]["micro_batch_size"] for mbs, d in docs.items()} == {1: 1, 2: 2}
+    assert docs[1]["extra"]["workdir"] != docs[2]["extra"]["workdir"]
+    assert all(Path(d["extra"]["workdir"]).parent == tmp_path / "runs" / "measure" for d in docs.values())

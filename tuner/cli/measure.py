@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -139,7 +140,14 @@ def _trial_spec(
             f"[yellow]warning:[/] the estimator predicts {est.peak_mem_bytes / 2**30:.2f} GiB per device, "
             f"over the budget of {budget / 2**30:.2f} GiB; running anyway"
         )
-    workdir = workdir or runs_dir() / "measure" / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if workdir is None:
+        # A directory of its own even when several measurements start in the same second: they
+        # would otherwise share one and each report whichever result was written last.
+        parent = runs_dir() / "measure"
+        parent.mkdir(parents=True, exist_ok=True)
+        workdir = Path(
+            tempfile.mkdtemp(prefix=f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=parent)
+        )
     spec = TrialSpec(
         recipe=recipe.to_dict(),
         config=config.to_dict(),
