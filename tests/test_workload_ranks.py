@@ -195,6 +195,19 @@ def test_ddp_matches_one_process_with_its_bucket_and_cores(launch, single):
     assert ranks[0]["cpus"] != ranks[1]["cpus"] and all(len(r["cpus"]) == 1 for r in ranks)
 
 
+def test_powersgd_over_many_buckets_trains_on_gloo(launch):
+    """PowerSGD with six gradient buckets (1.3M parameters, 1 MiB each): its chained all-reduces
+    once reached gloo in a different order on each rank, which aborted the trial or hung it until
+    its timeout, every time."""
+    model = {"layers": 4, "hidden": 128, "heads": 4, "seq_len": 64, "vocab": 2048}
+    run = launch(2, {"dp": 2, "bucket_mb": 1, "grad_compression": "powersgd"}, model=model)
+    assert run.exit_codes == [0, 0], run.log[-3000:]
+    result = run.result
+    assert result["status"] == "ok"
+    assert "1,321,216 params on rank 0" in run.log  # 5.0 MiB of fp32 gradients: six buckets
+    assert all(4 < loss < 9 for loss in result["losses"])  # about ln(2048) for random tokens
+
+
 def test_tp_halves_each_ranks_attention_and_mlp(launch, single):
     # With bf16 weights and fp32 master copies that are DTensors too.
     run = launch(2, {"tp": 2, "amp": "O2", "amp_dtype": "bf16"})

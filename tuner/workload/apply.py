@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import parallel as _tp  # noqa: F401 - see below
@@ -121,8 +122,31 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, config: Config, device: torc
         state = powerSGD_hook.PowerSGDState(
             process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        if dist.get_backend(group) == "gloo":
+            hook = _one_bucket_at_a_time(hook)
+        ddp.register_comm_hook(state, hook)
     return ddp
+
+
+def _one_bucket_at_a_time(hook: Callable) -> Callable:
+    """A DDP comm hook that finishes each bucket before DDP hands it the next one.
+
+    PowerSGD chains two more all-reduces per bucket from its future's callbacks, which gloo runs on
+    its worker threads. With several buckets in flight those all-reduces reach gloo in a different
+    order on each rank: gloo, which matches collectives by order, then aborts ("Received data size
+    doesn't match expected size") or both ranks wait forever (a gpt-tiny study with bucket_mb=1
+    lost 300 s to each such trial). Waiting here, on the backward thread, keeps every rank's
+    collectives in DDP's bucket order, which DDP makes the same on every rank. Gradient
+    communication then no longer overlaps the rest of the backward pass, which a CPU trial on
+    gloo barely had anyway."""
+
+    def ordered(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(hook(state, bucket).wait())
+        return done
+
+    return ordered
 
 
 def apply_fsdp(model: Decoder, dims: ParallelDims, param_dtype: torch.dtype | None) -> nn.Module:
