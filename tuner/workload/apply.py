@@ -137,9 +137,9 @@ def _one_bucket_at_a_time(hook: Callable) -> Callable:
     order on each rank: gloo, which matches collectives by order, then aborts ("Received data size
     doesn't match expected size") or both ranks wait forever (a gpt-tiny study with bucket_mb=1
     lost 300 s to each such trial). Waiting here, on the backward thread, keeps every rank's
-    collectives in DDP's bucket order, which DDP makes the same on every rank. Gradient
-    communication then no longer overlaps the rest of the backward pass, which a CPU trial on
-    gloo barely had anyway."""
+    collectives in DDP's bucket order, which DDP makes the same on every rank. The price: this
+    hook's communication no longer overlaps the rest of the backward pass on gloo (a measured
+    effect of the config like any other, which the study sees in its throughput)."""
 
     def ordered(state, bucket):
         done = torch.futures.Future()
