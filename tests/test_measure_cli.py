@@ -31,16 +31,26 @@ def recipe(tmp_path) -> Path:
     return path
 
 
-def tuner(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def start(*args: str, cwd: Path) -> subprocess.Popen:
+    """`tuner measure ARGS` started in `cwd`, its output captured."""
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "tuner.cli.main", "measure", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, "-m", "tuner.cli.main", "measure", *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Wait for `proc` (killing it past `timeout`, as subprocess.run does)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def tuner(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return finish(start(*args, cwd=cwd), timeout)
 
 
 # ---- bad input: exit 2, a message, no traceback --------------------------------------------------
@@ -59,30 +69,11 @@ def bad_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     good, bad = tmp / "tiny.yaml", tmp / "bad.yaml"
     good.write_text(yaml.safe_dump(TINY))
     bad.write_text(yaml.safe_dump({**TINY, "model": {**TINY["model"], "layers": 0}}))
-    env = {**os.environ, "COLUMNS": "200"}
     procs = {
-        name: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tuner.cli.main",
-                "measure",
-                str(bad if name == "bad recipe" else good),
-                *args,
-            ],
-            cwd=tmp,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        name: start(str(bad if name == "bad recipe" else good), *args, cwd=tmp)
         for name, args in BAD_RUNS.items()
     }
-    out = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=120)
-        out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
-    return out
+    return {name: finish(p, timeout=120) for name, p in procs.items()}
 
 
 @pytest.mark.slow
@@ -161,32 +152,14 @@ def test_measurements_started_together_each_report_their_own_config(recipe, tmp_
     """Two `tuner measure` runs started in the same second, from one directory, with the default
     work directory: each must report its own trial (they once shared a directory named by the
     second and both printed whichever result was written last)."""
-    env = {**os.environ, "COLUMNS": "200"}
     runs = {
-        mbs: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tuner.cli.main",
-                "measure",
-                str(recipe),
-                "--set",
-                f"micro_batch_size={mbs}",
-                "--json",
-            ],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for mbs in (1, 2)
+        mbs: start(str(recipe), "--set", f"micro_batch_size={mbs}", "--json", cwd=tmp_path) for mbs in (1, 2)
     }
     docs = {}
     for mbs, proc in runs.items():
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err
-        docs[mbs] = json.loads(out)
+        out = finish(proc)
+        assert out.returncode == 0, out.stderr
+        docs[mbs] = json.loads(out.stdout)
     assert {mbs: d["extra"]["config"]["micro_batch_size"] for mbs, d in docs.items()} == {1: 1, 2: 2}
     assert docs[1]["extra"]["workdir"] != docs[2]["extra"]["workdir"]
     assert all(Path(d["extra"]["workdir"]).parent == tmp_path / "runs" / "measure" for d in docs.values())
