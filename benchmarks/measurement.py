@@ -53,7 +53,7 @@ def coverage(study, interval: str = "rerun") -> tuple[int, int]:
     more often by construction) or "steps" (the steps' interval alone, as before the run-to-run
     term)."""
     from tuner.record import keys
-    from tuner.record.ranking import rerun_interval, run_noise, throughput_interval
+    from tuner.record.ranking import rerun_interval, run_noise, throughput_bounds, throughput_interval
 
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     family = (study.user_attrs.get(keys.FINGERPRINT) or {}).get("family")
@@ -70,9 +70,10 @@ def coverage(study, interval: str = "rerun") -> tuple[int, int]:
         if interval != "steps":
             noise = run_noise([g for n, g in groups.items() if n != number and g[0]], family)
             ci = (rerun_interval if interval == "rerun" else throughput_interval)(ci, noise)
+        low, high = throughput_bounds(tps, ci)
         for v in values:
             pairs += 1
-            covered += tps / (1 + ci) <= v <= tps / max(1e-9, 1 - ci)
+            covered += low <= v <= high
     return covered, pairs
 
 

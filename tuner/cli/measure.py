@@ -270,7 +270,9 @@ def _print_result(result, spec, config) -> None:
         table.add_row(key, _fmt(key, value) if key != "status" else f"[{style}]{value}[/]")
     half = _rerun_half_width(result, spec)
     if half is not None:
-        low, high = result.tokens_per_s / (1 + half), result.tokens_per_s / max(1e-9, 1 - half)
+        from tuner.record.ranking import throughput_bounds
+
+        low, high = throughput_bounds(result.tokens_per_s, half)
         table.add_row(
             "a re-run", f"{low:,.0f}-{high:,.0f} tokens/s (95%, with the {spec.family} run-to-run noise)"
         )

@@ -62,6 +62,12 @@ def rerun_interval(step_ci: float, noise: float) -> float:
     return math.sqrt(2.0) * throughput_interval(step_ci, noise)
 
 
+def throughput_bounds(tokens_per_s: float, half_width: float) -> tuple[float, float]:
+    """(low, high) tokens/s of an interval whose relative half-width is on the step time, as every
+    interval above is: a step time within (1 -+ h) of its median is a throughput in these."""
+    return tokens_per_s / (1 + half_width), tokens_per_s / max(1e-9, 1 - half_width)
+
+
 @dataclass(frozen=True)
 class Ranked:
     """A completed trial as the ranking sees it."""
