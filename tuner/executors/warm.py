@@ -33,8 +33,23 @@ import time
 from pathlib import Path
 
 # What the helper imports before it forks anything: the point of keeping it. torch._dynamo too:
-# the optimizer's constructor imports it (with Inductor's config), about 1 CPU-s per rank.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "tuner.workload.run")
+# the optimizer's constructor imports it (with Inductor's config), about 1 CPU-s per rank; and
+# Inductor's compiler, which a trial with `compile` imports first (about 1 CPU-s per rank).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "tuner.workload.run")
+
+
+def prepare() -> None:
+    """Work that every compiled trial would repeat, done once in the helper so the ranks forked
+    from it inherit the result: Inductor's probe of the CPU's vector instructions, which compiles
+    test programs and loads each in a child interpreter (about 1.2 s per rank on the test
+    machine) and is cached for the life of the process. It touches no device and leaves no
+    thread; a torch without it only loses the saving."""
+    with contextlib.suppress(Exception):
+        from torch._inductor import cpu_vec_isa
+
+        cpu_vec_isa.valid_vec_isa_list()
+
+
 READY_TIMEOUT_S = 120.0  # torch's import on a badly loaded machine
 WARM_ENV = "TUNER_WARM_START"
 
@@ -220,4 +235,4 @@ def _close_shared() -> None:
 if __name__ == "__main__":
     from tuner.executors.warm_server import serve
 
-    serve(sys.argv[1], PRELOAD)
+    serve(sys.argv[1], PRELOAD, prepare)

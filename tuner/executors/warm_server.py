@@ -13,13 +13,15 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 
 from tuner.executors.session import kill_session
 
 
-def serve(path: str, preload: tuple[str, ...]) -> None:
+def serve(path: str, preload: tuple[str, ...], prepare: Callable[[], None] = lambda: None) -> None:
     for name in preload:
         importlib.import_module(name)
+    prepare()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
