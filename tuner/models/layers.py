@@ -37,6 +37,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+# What the kernel switch puts in a traced graph: calls to these two private functions, with the
+# kernel's name as a constant argument. AOTAutograd's cache refuses a graph with an unlisted private
+# call, so every compiled trial traced and partitioned its joint graph again (about 1.4 s of a
+# gpt-tiny warm-up on the test machine). The name is in the graph, hence in the cache key: a graph
+# traced under one kernel is never reused under another. Keyed by torch's version too.
+SDPA_GRAPH_CALLS = ("torch.nn.attention._backend_from_string", "torch.nn.attention._sdpa_kernel")
+
+
+def let_compile_cache_the_kernel_switch() -> None:
+    """Mark the kernel switch's in-graph calls cacheable (before compiling a model that uses
+    `attention`); entries someone else marked stay."""
+    import torch._inductor.config as inductor
+
+    for name in SDPA_GRAPH_CALLS:
+        inductor.unsafe_marked_cacheable_functions.setdefault(name, torch.__version__)
+
+
 def _npu_fusion_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     import torch_npu  # only reachable on Ascend, where the feasibility rules allow npu_fusion
 

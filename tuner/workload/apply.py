@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tuner.config import Config, recomputed_layers
 from tuner.models import family_of
-from tuner.models.layers import Decoder
+from tuner.models.layers import Decoder, let_compile_cache_the_kernel_switch
 from tuner.workload.parallel import ParallelDims
 
 # The DTensor stack (and the sympy it pulls in) loads with this module, before a rank takes its
@@ -92,6 +92,7 @@ def apply_offload(model: Decoder, pin_memory: bool) -> None:
 
 
 def apply_compile(model: Decoder, mode: str) -> None:
+    let_compile_cache_the_kernel_switch()
     # Per block: every block has the same graph, so Inductor compiles it once and reuses it.
     for block in model.layers.values():
         block.compile(mode=mode)
