@@ -14,6 +14,11 @@ fit's prior means (`Predictor.fit`).
     python benchmarks/perf_model_eval.py benchmarks/tables/cpu-llama-tiny.csv --train 5 \
         --history benchmarks/tables/cpu-gpt-tiny.csv
     python benchmarks/perf_model_eval.py TABLE.csv --train 5 --json
+    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny.csv --residuals
+
+`--residuals` fits every config of the table instead and reports what the model form cannot
+explain: the in-sample median error, the coefficients that moved furthest from their priors (in
+prior sd), and the median log(predicted/measured) of each knob value.
 """
 
 from __future__ import annotations
@@ -103,14 +108,63 @@ def evaluate(path: str, seeds: int, train: int, history: str | None = None) -> d
     return out
 
 
+RESIDUAL_KNOBS = ("tp", "pp", "pp_schedule", "dp_shard", "recompute", "micro_batch_size", "attention", "amp",
+                  "sequence_parallel", "compile", "grad_compression")  # fmt: skip
+
+
+def residuals(path: str) -> dict:
+    """The model fitted to every config of the table: in-sample error, coefficients against their
+    priors, and the median log(predicted / measured) per knob value (0: no systematic miss)."""
+    from tuner.perf.model import COEF_NAMES, prior
+
+    recipe, rows = table_observations(path)
+    obs = [o for o, _ in rows]
+    predictor = Predictor(describe("cpu")).fit(obs)
+    p = predictor.predict(recipe, [o.config for o in obs])
+    truth = np.array([o.tokens_per_s for o in obs])
+    log_ratio = np.log(p.tokens_per_s / truth)
+    mu, sd = prior(predictor.priors)
+    theta = predictor.time_fit.theta
+    moved = sorted(zip(COEF_NAMES, theta, mu, sd, strict=True), key=lambda r: -abs(r[1] - r[2]) / r[3])
+    by_knob = {}
+    for knob in RESIDUAL_KNOBS:
+        groups: dict[str, list[float]] = {}
+        for o, r in zip(obs, log_ratio, strict=True):
+            groups.setdefault(str(getattr(o.config, knob)), []).append(float(r))
+        if len(groups) > 1:
+            by_knob[knob] = {v: {"n": len(rs), "median_log_ratio": round(statistics.median(rs), 3)}
+                             for v, rs in groups.items()}  # fmt: skip
+    return {
+        "table": Path(path).name,
+        "configs": len(obs),
+        "in_sample_median_abs_error": round(float(np.median(np.abs(np.exp(log_ratio) - 1))), 4),
+        "misfit_sd": round(predictor.time_fit.sigma, 4),
+        "coefficients": [
+            {
+                "name": n,
+                "fit": round(float(t), 3),
+                "prior": round(float(m), 3),
+                "z": round(float((t - m) / s), 2),
+            }
+            for n, t, m, s in moved[:6]
+        ],
+        "by_knob": by_knob,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("table", help="CSV written by benchmarks/make_table.py")
     ap.add_argument("--seeds", type=int, default=30)
     ap.add_argument("--train", type=int, default=5, help="measured configs the model is fitted to")
     ap.add_argument("--history", help="another table of this machine whose configs every fit also sees")
+    ap.add_argument("--residuals", action="store_true", help="fit every config; report what the model misses")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.residuals:
+        out = residuals(args.table)
+        print(json.dumps(out, indent=None if args.json else 1))
+        return 0
     result = evaluate(args.table, args.seeds, args.train, args.history)
     if args.json:
         print(json.dumps(result))
