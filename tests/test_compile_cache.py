@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 # One compiled attention, forward and backward, under the named kernel; prints AOTAutograd's cache
-# counters and the output's checksum.
+# counters and the sum of one input's gradient.
 CHILD = textwrap.dedent(
     """
     import json, sys
