@@ -160,19 +160,28 @@ def test_warm_ranks_are_fresh_processes_of_the_trials_own_session(standin):
         assert r.extra["session"] != os.getsid(helper.pid) and session_pids(r.extra["session"]) == []
 
 
-def test_warm_ranks_find_inductors_cpu_probe_done_in_the_helper(standin):
-    """A compiled trial forked from the helper skips Inductor's probe of the CPU (test programs
-    loaded in child interpreters, about 1.2 s per rank); a cold rank still has it to do."""
+def test_the_helper_prepares_inductor_for_the_first_trial_that_compiles(standin):
+    """From the first trial with `compile` on, ranks forked from the helper find Inductor's CPU
+    probe done (test programs loaded in child interpreters, about 1.2 s per rank); trials before it
+    did not wait for it, and a cold rank still has it to do."""
+    from tuner.executors import warm
+
+    warm.shared_helper(local.trial_env()).close()  # a helper of this test's own, prepared for nothing
     script = standin / "standin_rank.py"
     probe = "import threading\nfrom torch._inductor import cpu_vec_isa\n"
     probe += "print('probed', cpu_vec_isa.valid_vec_isa_list.cache_info().currsize, 'threads', threading.active_count())\n"
     script.write_text(probe + STANDIN)
-    warm_run = run_trial(make_spec(standin, "probe-warm"))
-    cold_run = run_trial(make_spec(standin, "probe-cold"), env={"TUNER_WARM_START": "0"})
-    assert (warm_run.extra["start"], cold_run.extra["start"]) == ("warm", "cold")
+    runs = {
+        "plain": run_trial(make_spec(standin, "plain")),
+        "compiled": run_trial(make_spec(standin, "compiled", compile="default")),
+        "after": run_trial(make_spec(standin, "after")),
+        "cold": run_trial(make_spec(standin, "cold", compile="default"), env={"TUNER_WARM_START": "0"}),
+    }
+    assert [r.extra["start"] for r in runs.values()] == ["warm", "warm", "warm", "cold"]
     # Forking stays safe: the probe leaves the helper with one thread, which each rank inherits.
-    assert warm_run.log_tail.count("probed 1 threads 1") == 2, warm_run.log_tail
-    assert cold_run.log_tail.count("probed 0 threads 1") == 2, cold_run.log_tail
+    expect = {"plain": 0, "compiled": 1, "after": 1, "cold": 0}
+    for name, r in runs.items():
+        assert r.log_tail.count(f"probed {expect[name]} threads 1") == 2, (name, r.log_tail)
 
 
 def test_port_clash_is_retried_once(standin):

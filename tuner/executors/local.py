@@ -127,7 +127,8 @@ def _run_once(
     if helper is not None:
         try:
             # cmd is [python, -m, tuner.executors.launcher, ARGS...]: the helper runs the same.
-            launcher = helper.launch(cmd[3:], env, str(workdir), str(workdir / "launcher.log"))
+            compiles = spec.config.get("compile", "none") != "none"
+            launcher = helper.launch(cmd[3:], env, str(workdir), str(workdir / "launcher.log"), compiles)
             how = "warm"
         except warm.Unavailable as err:
             how = f"cold ({err})"

@@ -33,18 +33,20 @@ import time
 from pathlib import Path
 
 # What the helper imports before it forks anything: the point of keeping it. torch._dynamo too:
-# the optimizer's constructor imports it (with Inductor's config), about 1 CPU-s per rank; and
-# Inductor's compiler, which a trial with `compile` imports first (about 1 CPU-s per rank).
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "tuner.workload.run")
+# the optimizer's constructor imports it (with Inductor's config), about 1 CPU-s per rank.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "tuner.workload.run")
 
 
-def prepare() -> None:
-    """Work that every compiled trial would repeat, done once in the helper so the ranks forked
-    from it inherit the result: Inductor's probe of the CPU's vector instructions, which compiles
-    test programs and loads each in a child interpreter (about 1.2 s per rank on the test
-    machine) and is cached for the life of the process. It touches no device and leaves no
-    thread; a torch without it only loses the saving."""
+def prepare_compile() -> None:
+    """What every compiled trial's ranks would repeat, done once in the helper when the first trial
+    that compiles asks, so the ranks forked from then on inherit it: importing Inductor's compiler
+    (about 1 CPU-s per rank) and Inductor's probe of the CPU's vector instructions, which loads
+    test programs in child interpreters (about 1.2 s per rank on the test machine) and is cached
+    for the life of the process. Not at the helper's start: a study that never compiles would
+    wait for it before its first trial. It touches no device and leaves no thread; a torch
+    without these only loses the saving."""
     with contextlib.suppress(Exception):
+        import torch._inductor.compile_fx  # noqa: F401
         from torch._inductor import cpu_vec_isa
 
         cpu_vec_isa.valid_vec_isa_list()
@@ -171,13 +173,17 @@ class WarmHelper:
                 raise Unavailable(f"the warm-start helper did not start: {self.log_tail()}")
             self._ready = True
 
-    def launch(self, argv: list[str], env: dict[str, str], cwd: str, stderr_path: str) -> WarmProcess:
-        """Fork `python -m tuner.executors.launcher ARGV` from the helper, as the leader of a new session."""
+    def launch(
+        self, argv: list[str], env: dict[str, str], cwd: str, stderr_path: str, compiles: bool = False
+    ) -> WarmProcess:
+        """Fork `python -m tuner.executors.launcher ARGV` from the helper, as the leader of a new
+        session. `compiles`: the trial compiles, so the helper first runs `prepare_compile` if no
+        earlier trial made it (seconds, hence the longer wait for its answer)."""
         self.wait_ready()
-        request = {"argv": argv, "env": env, "cwd": cwd, "stderr": stderr_path}
+        request = {"argv": argv, "env": env, "cwd": cwd, "stderr": stderr_path, "compiles": compiles}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.settimeout(30)
+            conn.settimeout(READY_TIMEOUT_S if compiles else 30)
             conn.connect(self.socket_path)
             conn.sendall(json.dumps(request).encode() + b"\n")
             reply = b""
@@ -235,4 +241,4 @@ def _close_shared() -> None:
 if __name__ == "__main__":
     from tuner.executors.warm_server import serve
 
-    serve(sys.argv[1], PRELOAD, prepare)
+    serve(sys.argv[1], PRELOAD, prepare_compile)

@@ -18,10 +18,18 @@ from collections.abc import Callable
 from tuner.executors.session import kill_session
 
 
-def serve(path: str, preload: tuple[str, ...], prepare: Callable[[], None] = lambda: None) -> None:
+def serve(path: str, preload: tuple[str, ...], prepare_compile: Callable[[], None] = lambda: None) -> None:
+    """Serve fork requests on the Unix socket `path` after importing `preload`; the first request
+    for a trial that compiles runs `prepare_compile` first (once)."""
     for name in preload:
         importlib.import_module(name)
-    prepare()
+    prepared: list[bool] = []
+
+    def before_fork(request: dict) -> None:
+        if request.get("compiles") and not prepared:
+            prepared.append(True)
+            prepare_compile()
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -35,11 +43,16 @@ def serve(path: str, preload: tuple[str, ...], prepare: Callable[[], None] = lam
             if key.data == "parent" and not os.read(key.fd, 4096):
                 _shutdown(children)  # the process that started us is gone
             elif key.data == "accept":
-                _accept(listener, sel, children)
+                _accept(listener, sel, children, before_fork)
         _reap(children)
 
 
-def _accept(listener: socket.socket, sel: selectors.BaseSelector, children: dict[int, socket.socket]) -> None:
+def _accept(
+    listener: socket.socket,
+    sel: selectors.BaseSelector,
+    children: dict[int, socket.socket],
+    before_fork: Callable[[dict], None],
+) -> None:
     conn, _ = listener.accept()
     try:
         conn.settimeout(10)
@@ -50,6 +63,7 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, children: dict
                 raise OSError("the client closed the connection")
             data += chunk
         request = json.loads(data.split(b"\n", 1)[0])
+        before_fork(request)
         pid = os.fork()
         if pid == 0:
             # The child keeps none of the helper's sockets.
@@ -58,7 +72,13 @@ def _accept(listener: socket.socket, sel: selectors.BaseSelector, children: dict
                 other.close()
             _run_launcher(request)  # never returns
         children[pid] = conn
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        try:
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:
+            kill_session(
+                pid
+            )  # the client stopped waiting (it starts the trial cold): nobody watches this one
+            raise
     except (OSError, ValueError) as err:
         print(f"warm helper: bad request: {err}", file=sys.stderr, flush=True)
         conn.close()
