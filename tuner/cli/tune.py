@@ -141,8 +141,8 @@ def tune(
             fail(refusal)
         from tuner.executors.local import prestart_helper
 
-        # The warm helper imports torch and Inductor (about 5 s) while the checks below run
-        # (about 2.5 s), so the first trial waits that much less for it.
+        # The warm helper imports torch (seconds) while the checks below run (about 2.5 s on
+        # the test machine), so the first trial waits that much less for it.
         prestart_helper()
     _preflight(recipe, sampler or recipe.search.sampler)
     url = storage_or_exit(storage)
