@@ -23,11 +23,12 @@ def serve(path: str, preload: tuple[str, ...], prepare_compile: Callable[[], Non
     for a trial that compiles runs `prepare_compile` first (once)."""
     for name in preload:
         importlib.import_module(name)
-    prepared: list[bool] = []
+    prepared = False
 
     def before_fork(request: dict) -> None:
+        nonlocal prepared
         if request.get("compiles") and not prepared:
-            prepared.append(True)
+            prepared = True
             prepare_compile()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -75,9 +76,8 @@ def _accept(
         try:
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         except OSError:
-            kill_session(
-                pid
-            )  # the client stopped waiting (it starts the trial cold): nobody watches this one
+            # The client stopped waiting (it starts the trial cold): nobody would watch this one.
+            kill_session(pid)
             raise
     except (OSError, ValueError) as err:
         print(f"warm helper: bad request: {err}", file=sys.stderr, flush=True)
