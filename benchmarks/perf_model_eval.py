@@ -18,7 +18,7 @@ fit's prior means (`Predictor.fit`).
 
 `--residuals` fits every config of the table instead and reports what the model form cannot
 explain: the in-sample median error, the coefficients that moved furthest from their priors (in
-prior sd), and the median log(predicted/measured) of each knob value.
+prior sd), and the median log(predicted/measured) of each value of every knob the table varies.
 """
 
 from __future__ import annotations
@@ -108,10 +108,6 @@ def evaluate(path: str, seeds: int, train: int, history: str | None = None) -> d
     return out
 
 
-RESIDUAL_KNOBS = ("tp", "pp", "pp_schedule", "dp_shard", "recompute", "micro_batch_size", "attention", "amp",
-                  "sequence_parallel", "compile", "grad_compression")  # fmt: skip
-
-
 def residuals(path: str) -> dict:
     """The model fitted to every config of the table: in-sample error, coefficients against their
     priors, and the median log(predicted / measured) per knob value (0: no systematic miss)."""
@@ -127,7 +123,7 @@ def residuals(path: str) -> dict:
     theta = predictor.time_fit.theta
     moved = sorted(zip(COEF_NAMES, theta, mu, sd, strict=True), key=lambda r: -abs(r[1] - r[2]) / r[3])
     by_knob = {}
-    for knob in RESIDUAL_KNOBS:
+    for knob in KNOBS:  # those the table varies
         groups: dict[str, list[float]] = {}
         for o, r in zip(obs, log_ratio, strict=True):
             groups.setdefault(str(getattr(o.config, knob)), []).append(float(r))
