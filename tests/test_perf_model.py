@@ -76,6 +76,7 @@ def true_theta() -> np.ndarray:
         "amp_O1": 0.4,
         "amp_O2": 0.5,
         "x:attention=flash": 0.15,
+        "log_mem_bandwidth": -0.7,
     }
     for name, delta in shift.items():
         theta[COEF_NAMES.index(name)] += delta
@@ -107,6 +108,23 @@ def test_a_pipeline_is_paced_by_its_busiest_stage_the_one_with_the_output_projec
     assert equal.bubble_factor == pytest.approx((4 + 2 - 1) / 4)  # the textbook (m + pp - 1) / m
 
 
+def test_memory_bound_kernels_keep_a_fast_dtype_from_speeding_up_the_step_by_its_matmul_peak():
+    # A CPU with bf16 matrix units (Sapphire Rapids' AMX: one thread's bf16 linear 8x its fp32):
+    # the norms, activations, softmax and optimizer move bytes, which bf16 only halves.
+    amx = dataclasses.replace(PRIORS, peak_flops={"fp32": 4e10, "bf16": 32e10, "fp16": 4e10})
+    recipe = recipe_from_dict(tiny())
+    fp32, bf16 = Config(dp=2, micro_batch_size=8), Config(dp=2, micro_batch_size=8, amp="O2")
+    works = [step_work(recipe, c, CPU) for c in (fp32, bf16)]
+    assert works[1].mem_bytes_micro == pytest.approx(works[0].mem_bytes_micro / 2, rel=0.3)
+    theta, _ = prior(amx)
+    step = np.exp(predict_log(theta, features(works, [fp32, bf16], amx)))
+    assert 1.2 < step[0] / step[1] < 6.0  # faster, well short of the matmul peak's 8x
+    # Recomputing the forward moves its bytes again; math attention materialises the scores.
+    full = step_work(recipe, Config(dp=2, micro_batch_size=8, recompute="full"), CPU)
+    flash = step_work(recipe, Config(dp=2, micro_batch_size=8, attention="flash"), CPU)
+    assert full.mem_bytes_micro > works[0].mem_bytes_micro > flash.mem_bytes_micro
+
+
 def test_fit_recovers_known_coefficients_and_its_interval_covers_held_back_points():
     recipe = recipe_from_dict(tiny())
     configs = space_configs(recipe)
@@ -121,6 +139,9 @@ def test_fit_recovers_known_coefficients_and_its_interval_covers_held_back_point
     got, want = fitted.coefficients(), dict(zip(COEF_NAMES, true_theta(), strict=True))
     for name in ("log_efficiency", "log_latency", "amp_O1", "amp_O2", "x:attention=flash"):
         assert got[name] == pytest.approx(want[name], abs=0.15), name
+    # Memory-bound bytes grow with the tokens as the FLOPs do; only the dtype, the attention
+    # kernel and recompute tell the two apart, so the memory bandwidth is pinned more loosely.
+    assert got["log_mem_bandwidth"] == pytest.approx(want["log_mem_bandwidth"], abs=0.4)
     assert 0.02 < fitted.sigma < 0.07  # the misfit it reports is the noise it was given
     p = fitted.predict(f.take(held))
     low, high = p.mean - 1.645 * p.sd, p.mean + 1.645 * p.sd

@@ -1,4 +1,5 @@
-"""The step-time model: compute over the device's peak at a fitted efficiency, exposed
+"""The step-time model: compute over the device's peak at a fitted efficiency, memory-bound
+kernels over a fitted memory bandwidth, exposed
 communication over a fitted link, pipeline bubble, recompute's extra forward, host work per unit,
 times learned multipliers for what no formula sees (compile, loader workers, affinity, the
 attention kernel). `features` turns configs into arrays; `predict_log` is log step time."""
@@ -32,6 +33,7 @@ PHYSICAL = (
     Coef("log_host_unit", 1.2),
     Coef("amp_O1", 0.6),  # compute speed of autocast relative to what the dtype's peak implies
     Coef("amp_O2", 0.6),
+    Coef("log_mem_bandwidth", 1.0),  # what memory-bound kernels reach (bytes/s)
 )
 
 # Learned log multipliers of the whole step for knob values no formula covers, each against the
@@ -79,6 +81,7 @@ def prior(priors: DevicePriors) -> tuple[np.ndarray, np.ndarray]:
         math.log(priors.host_unit_s),
         0.0,
         0.0,
+        math.log(priors.mem_bandwidth),
     ]
     sd = [c.prior_sd for c in PHYSICAL]
     mean += [MULTIPLIER_PRIOR.get(m, 0.0) for m in MULTIPLIERS]
@@ -134,6 +137,9 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
         "flops_micro": col(w.flops_micro for w in works),
         "peak": col(priors.peak(_dtype(c), c.world_size) for c in configs),
         "units": col(w.units_micro for w in works),
+        # Memory-bound bytes over the rank's threads (CPU) or devices: what one bandwidth unit moves.
+        "mem_bytes": col(w.mem_bytes_micro / priors.threads(w.ranks) for w in works),
+        "opt_bytes": col(w.opt_bytes / priors.threads(w.ranks) for w in works),
         "tp_msgs": col(w.tp_messages_micro for w in works),
         "tp_bytes": col(w.tp_bytes_micro for w in works),
         "pp_msgs": col(w.pp_messages for w in works),
@@ -158,10 +164,12 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
 def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
     """Log step time (s) of every row under coefficients `theta` (COEF_NAMES order)."""
     c = f.cols
-    eff, half, bw, lat, overlap, host, o1, o2 = theta[: len(PHYSICAL)]
+    eff, half, bw, lat, overlap, host, o1, o2, mem_bw = theta[: len(PHYSICAL)]
     speed = c["peak"] * np.exp(eff + o1 * c["amp_O1"] + o2 * c["amp_O2"])
     speed = speed * c["micro_tokens"] / (c["micro_tokens"] + math.exp(half))
-    work = c["flops_micro"] / speed + c["units"] * math.exp(host)  # one micro-batch, busiest rank
+    # One micro-batch on the busiest rank: matmuls at their speed, memory-bound kernels at the
+    # memory's, host work per unit.
+    work = c["flops_micro"] / speed + c["mem_bytes"] / math.exp(mem_bw) + c["units"] * math.exp(host)
     # Ranks that share cores (more CPU ranks than cores: `oversub` > 1) queue for them. The step
     # then takes at least all ranks' work over the cores, and a pipeline stage's idle time is
     # another stage's turn, so the bubble and the queue do not compound. Each message waits for
@@ -171,7 +179,10 @@ def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
     share = c["oversub"]
     tp = (c["tp_msgs"] * math.exp(lat) + c["tp_bytes"] / math.exp(bw)) * share
     pp = (c["pp_msgs"] * math.exp(lat) + c["pp_bytes"] / math.exp(bw)) * share
-    pipeline = c["n_micro"] * (work * pace + tp * c["bubble"]) + pp
+    # The optimizer steps once, after the last micro-batch (no overlap with the schedule).
+    pipeline = (
+        c["n_micro"] * (work * pace + tp * c["bubble"]) + pp + c["opt_bytes"] / math.exp(mem_bw) * share
+    )
     hidden = 1.0 / (1.0 + math.exp(-overlap))
     dp = c["dp_msgs"] * math.exp(lat) + c["dp_bytes"] / (math.exp(bw) * c["dp_link"])
     return np.log(pipeline + dp * share * (1 - hidden)) + f.multipliers @ theta[len(PHYSICAL) :]

@@ -9,16 +9,19 @@ from dataclasses import dataclass, field
 from tuner.devices import DeviceInfo, peak_tflops
 
 # (efficiency, half-efficiency tokens, bandwidth bytes/s, latency s per message, host s per unit,
-# cross-node share). cpu: the peak is a measured F.linear of the size class the models use, so
+# cross-node share, memory bandwidth bytes/s that memory-bound kernels reach: CPU per thread,
+# accelerators per device). cpu: the peak is a measured F.linear of the size class the models use, so
 # training matmuls reach most of it, and a few dozen rows per matmul already keep a core's vector
 # units busy (accelerators need thousands to fill their SMs or cubes); gloo over loopback on shared cores, with DTensor and autograd dispatch on the
 # same cores, costs about a millisecond a message. cuda/npu: datasheet peaks, of which training
 # reaches about half (published MFU 0.35-0.55); NVLink / HCCS inside a node, InfiniBand-class
-# (100-400 Gb/s) across nodes. Each is a prior: the fit moves it to what this machine measures.
+# (100-400 Gb/s) across nodes. Memory-bound kernels (norms, activations, softmax, the optimizer)
+# reach a few GB/s per CPU thread in eager PyTorch and most of an HBM's datasheet bandwidth
+# (H100 3.35 TB/s, Ascend 910B 1.6 TB/s). Each is a prior: the fit moves it to what this machine measures.
 _PRIORS = {
-    "cpu": (0.75, 32.0, 2e9, 1e-3, 2e-4, 1.0),
-    "cuda": (0.45, 1024.0, 150e9, 2e-5, 6e-5, 0.15),
-    "npu": (0.45, 1024.0, 100e9, 3e-5, 8e-5, 0.15),
+    "cpu": (0.75, 32.0, 2e9, 1e-3, 2e-4, 1.0, 5e9),
+    "cuda": (0.45, 1024.0, 150e9, 2e-5, 6e-5, 0.15, 2e12),
+    "npu": (0.45, 1024.0, 100e9, 3e-5, 8e-5, 0.15, 1e12),
 }
 
 
@@ -37,6 +40,7 @@ class DevicePriors:
     node_devices: int  # devices of one node: larger groups cross nodes
     cross_node_share: float  # cross-node bandwidth as a share of the in-node one
     cores: int = 0  # CPU: cores the ranks share (0: not a CPU)
+    mem_bandwidth: float = 5e9  # bytes/s of memory-bound kernels: one device (CPU: one thread)
     spread: dict[str, float] = field(default_factory=dict)  # prior sd (log) per coefficient
 
     def peak(self, dtype: str, ranks: int = 1) -> float:
@@ -45,6 +49,12 @@ class DevicePriors:
         if self.family == "cpu" and self.cores > 0:
             return one * max(1, self.cores // max(1, ranks))
         return one
+
+    def threads(self, ranks: int = 1) -> float:
+        """How many devices' (CPU: threads') worth of memory bandwidth one rank has."""
+        if self.family == "cpu" and self.cores > 0:
+            return float(max(1, self.cores // max(1, ranks)))
+        return 1.0
 
     def oversubscription(self, ranks: int) -> float:
         """How many ranks share one core's worth of compute (1 when each has its own)."""
@@ -55,7 +65,7 @@ class DevicePriors:
 
 def device_priors(device: DeviceInfo) -> DevicePriors:
     """Priors for `device` (on CPU, one thread's peak: ranks split the cores between them)."""
-    eff, half, bw, lat, host, cross = _PRIORS.get(device.family, _PRIORS["cuda"])
+    eff, half, bw, lat, host, cross, mem_bw = _PRIORS.get(device.family, _PRIORS["cuda"])
     # The datasheet's peak, or one thread's measured matmul (cached per machine and torch). A
     # low-precision dtype without native units (DeviceInfo.fast_dtypes) starts at the fp32 peak:
     # its lone matmul measures an unfused conversion path that autocast's kernels do not take.
@@ -67,4 +77,6 @@ def device_priors(device: DeviceInfo) -> DevicePriors:
     # One CPU machine holds every rank (ranks beyond its cores share them); on accelerators a
     # group larger than this machine's devices crosses nodes.
     node = device.count if device.family != "cpu" else 1 << 30
-    return DevicePriors(device.family, eff, half, peaks, bw, lat, host, node, cross, cores)
+    return DevicePriors(
+        device.family, eff, half, peaks, bw, lat, host, node, cross, cores, mem_bandwidth=mem_bw
+    )

@@ -26,6 +26,10 @@ class StepWork:
     micro_tokens: int  # tokens of one micro-batch on one rank (what a matmul's rows are)
     flops_micro: float  # hardware FLOPs (recompute included) of one micro-batch on one rank
     units_micro: float  # kernel-ish host units of one micro-batch (layer passes, embed, head)
+    # Bytes the memory-bound (elementwise, norm, softmax, loss) kernels of one micro-batch move
+    # on the busiest rank, and the optimizer's once per step: what the FLOPs do not count.
+    mem_bytes_micro: float
+    opt_bytes: float
     tp_messages_micro: int  # tensor-parallel all-reduces per micro-batch
     tp_bytes_micro: float  # bytes each rank moves for them
     pp_messages: int  # point-to-point sends/receives per step on a stage
@@ -67,6 +71,38 @@ def stage_shares(recipe: Recipe, pp: int) -> list[float]:
     return [f / sum(flops) for f in flops]
 
 
+# Activation elements per token that a layer pass's memory-bound kernels read and write, per
+# hidden unit and per FFN unit: norms, residual adds, bias and dropout-free activations, the
+# attention's projections reshaped and rotated (a rough count of one block, not a profile; the
+# fitted bandwidth absorbs its scale). Math attention also materialises heads x seq scores per
+# token, each written by the matmul and read and written by the softmax.
+_ELEMS_PER_HIDDEN = 12.0
+_ELEMS_PER_FFN = 3.0
+_ELEMS_PER_SCORE = 3.0
+# Adam's step reads and writes the weight, its gradient and two moments (fp32): 4 x 2 passes.
+_OPT_PASSES = 8.0
+
+
+def _memory_traffic(recipe: Recipe, c: Config, micro_tokens: int, layers: int, repeat: float, last: bool):
+    """(bytes per micro-batch of the memory-bound kernels, optimizer bytes per step) on a rank."""
+    m = recipe.model
+    family = family_of(m)
+    per_token = _ELEMS_PER_HIDDEN * m.hidden + _ELEMS_PER_FFN * family.ffn_size(m)
+    if c.attention == "math":
+        per_token += _ELEMS_PER_SCORE * m.heads * m.seq_len
+    # TP shards the heads and the FFN; without sequence parallelism the norms and residuals stay
+    # whole on every rank (counted here as sharded too: a first-order count).
+    elems = micro_tokens * layers * per_token / c.tp
+    passes = 3.0 + repeat  # forward, backward (about twice the forward's traffic), recomputation
+    # The loss: fp32 logits, their softmax and gradient, on the last stage only.
+    logits = 4.0 * micro_tokens * m.vocab / c.tp * 4 if last else 0.0
+    act_bytes = 2 if c.amp == "O2" else 4  # autocast (O1) runs norms, softmax and the loss in fp32
+    params = family.param_count(m) / (c.tp * c.pp)
+    if c.dp > 1 and c.dp_shard == "fsdp":
+        params /= c.dp
+    return elems * passes * act_bytes + logits, params * 4 * _OPT_PASSES
+
+
 def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
     m, c = recipe.model, config
     est = estimate(recipe, config, device)
@@ -83,6 +119,7 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
     activation = micro_tokens * m.hidden * act_bytes
     tp_msgs = 0 if c.tp == 1 else int(layers * (4 + 2 * repeat))
     pp_msgs = 0 if c.pp == 1 else 2 * n_micro
+    mem_micro, opt_bytes = _memory_traffic(recipe, c, micro_tokens, layers, repeat, True)
     fsdp = c.dp > 1 and c.dp_shard == "fsdp"
     if c.dp == 1:
         dp_msgs, dp_bytes = 0, 0.0
@@ -101,6 +138,8 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         micro_tokens=micro_tokens,
         flops_micro=flops_micro,
         units_micro=units,
+        mem_bytes_micro=mem_micro,
+        opt_bytes=opt_bytes,
         tp_messages_micro=tp_msgs,
         tp_bytes_micro=_ring(activation, c.tp) * tp_msgs,
         pp_messages=pp_msgs,
