@@ -7,7 +7,9 @@ exceed the memory budget are run and recorded as oom with the device time they c
     python benchmarks/make_table.py benchmarks/recipes/gpt-tiny-table.yaml \
         --out benchmarks/tables/cpu-gpt-tiny.csv --repeats 2
 
-The CSV starts with `#` lines naming the recipe, machine and software fingerprint. Re-running
+The CSV starts with `#` lines naming the recipe, machine and software fingerprint, and on CPU the
+one-thread matmul peaks the performance model's priors start from (`peak_flops`, FLOP/s per dtype;
+`perf_model_eval.py` uses them on any machine). Re-running
 with the same --out resumes: configs already measured `--repeats` times are skipped.
 """
 
@@ -27,6 +29,7 @@ from tuner.devices import describe, resolve_family
 from tuner.estimate import budget_bytes, estimate
 from tuner.executors.local import run_trial
 from tuner.fingerprint import fingerprint
+from tuner.perf.priors import device_priors
 from tuner.recipe import load_recipe
 from tuner.result import TrialSpec
 from tuner.space import load_space
@@ -62,6 +65,30 @@ def read_table(path: str | Path) -> tuple[dict[str, str], list[dict[str, str]]]:
         elif line.strip():
             lines.append(line)
     return header, list(csv.DictReader(lines))
+
+
+def table_priors(header: dict[str, str]):
+    """The performance model's device priors for the machine that measured a table: this
+    machine's, with the table's recorded one-thread matmul peaks (`# peak_flops:`) when it has
+    them. A table without them that another CPU measured is judged with this machine's peaks, and
+    says so: its prediction figures then differ from the measuring machine's (a CPU with bf16
+    matrix units puts bf16 at 8x fp32, one without at 1x)."""
+    import dataclasses
+
+    from tuner.perf.priors import device_priors
+
+    here = describe("cpu")
+    priors = device_priors(here)
+    if "peak_flops" in header:
+        return dataclasses.replace(priors, peak_flops=json.loads(header["peak_flops"]))
+    measured_on = json.loads(header.get("fingerprint") or "{}").get("device")
+    if measured_on and measured_on != here.name:
+        print(
+            f"note: the table was measured on {measured_on!r} and records no peak_flops; the priors "
+            f"use this machine's ({here.name!r}), so prediction figures differ from that machine's",
+            file=sys.stderr,
+        )
+    return priors
 
 
 def _aggregate(config: Config, results: list, est: int) -> dict:
@@ -108,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         _, rows = read_table(out)
         done = {r["key"]: r for r in rows if int(r["runs"] or 0) >= args.repeats}
     fp = fingerprint(family)
+    peaks = device_priors(device).peak_flops if family == "cpu" else None
     print(f"{len(configs)} configs, {len(done)} already measured, {args.repeats} repeats each", flush=True)
 
     rows = []
@@ -140,13 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['tokens_per_s'] or 0:>9.0f} tok/s  {json.dumps(config.active_params())}",
                 flush=True,
             )
-            _write(out, recipe, fp, budget, args.repeats, rows)
-    _write(out, recipe, fp, budget, args.repeats, rows)
+            _write(out, recipe, fp, budget, args.repeats, rows, peaks)
+    _write(out, recipe, fp, budget, args.repeats, rows, peaks)
     print(f"wrote {out} ({len(rows)} configs) in {time.perf_counter() - t0:.0f}s")
     return 0
 
 
-def _write(out: Path, recipe, fp: dict, budget: int, repeats: int, rows: list[dict]) -> None:
+def _write(out: Path, recipe, fp: dict, budget: int, repeats: int, rows: list[dict], peaks=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     with tmp.open("w", newline="") as f:
@@ -154,6 +182,8 @@ def _write(out: Path, recipe, fp: dict, budget: int, repeats: int, rows: list[di
         f.write(f"# fingerprint: {json.dumps(fp, sort_keys=True)}\n")
         f.write(f"# memory_budget_bytes: {budget}\n")
         f.write(f"# repeats: {repeats}\n")
+        if peaks:  # what the performance model's priors start from on this machine
+            f.write(f"# peak_flops: {json.dumps(peaks, sort_keys=True)}\n")
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)

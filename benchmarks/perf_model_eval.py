@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_table import read_table  # noqa: E402
+from make_table import read_table, table_priors  # noqa: E402
 
 from tuner.config import KNOBS, Config  # noqa: E402
 from tuner.devices import describe  # noqa: E402
@@ -42,6 +42,11 @@ from tuner.perf.observations import Observation  # noqa: E402
 from tuner.perf.predictor import Predictor  # noqa: E402
 from tuner.recipe import recipe_from_dict  # noqa: E402
 from tuner.result import budget_peak  # noqa: E402
+
+
+def priors_of(path: str):
+    """The device priors of the machine that measured the table (`make_table.table_priors`)."""
+    return table_priors(read_table(path)[0])
 
 
 def table_observations(path: str) -> tuple[object, list[tuple[Observation, list[float]]]]:
@@ -77,7 +82,7 @@ def evaluate(path: str, seeds: int, train: int, history: str | None = None) -> d
     recipe, rows = table_observations(path)
     earlier = [obs for obs, _ in table_observations(history)[1]] if history else []
     device = describe("cpu")
-    predictor = Predictor(device)
+    predictor = Predictor(device, priors_of(path))
     configs = [o.config for o, _ in rows]
     cached = predictor.features(recipe, configs)
     truth = np.array([o.tokens_per_s for o, _ in rows])
@@ -115,7 +120,7 @@ def residuals(path: str) -> dict:
 
     recipe, rows = table_observations(path)
     obs = [o for o, _ in rows]
-    predictor = Predictor(describe("cpu")).fit(obs)
+    predictor = Predictor(describe("cpu"), priors_of(path)).fit(obs)
     p = predictor.predict(recipe, [o.config for o in obs])
     truth = np.array([o.tokens_per_s for o in obs])
     log_ratio = np.log(p.tokens_per_s / truth)
