@@ -75,8 +75,6 @@ def table_priors(header: dict[str, str]):
     matrix units puts bf16 at 8x fp32, one without at 1x)."""
     import dataclasses
 
-    from tuner.perf.priors import device_priors
-
     here = describe("cpu")
     priors = device_priors(here)
     if "peak_flops" in header:

@@ -46,9 +46,7 @@ class DevicePriors:
     def peak(self, dtype: str, ranks: int = 1) -> float:
         """FLOP/s of one rank: a device, or on CPU its share of the cores (as the ranks set it)."""
         one = self.peak_flops.get(dtype) or self.peak_flops["fp32"]
-        if self.family == "cpu" and self.cores > 0:
-            return one * max(1, self.cores // max(1, ranks))
-        return one
+        return one * self.threads(ranks)
 
     def threads(self, ranks: int = 1) -> float:
         """How many devices' (CPU: threads') worth of memory bandwidth one rank has."""
