@@ -28,7 +28,7 @@ PHYSICAL = (
     Coef("log_efficiency", 0.8),  # share of the dtype's peak a large matmul reaches
     Coef("log_half_tokens", 1.5),  # tokens per micro-batch and rank at which it reaches half that
     Coef("log_bandwidth", 1.0),
-    Coef("log_latency", 1.2),
+    Coef("log_latency", 2.0),
     Coef("overlap_logit", 1.5),  # share of DDP/FSDP traffic hidden behind backward
     Coef("log_host_unit", 1.2),
     Coef("amp_O1", 0.6),  # compute speed of autocast relative to what the dtype's peak implies
