@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from conftest_ray import parent_pid, trial_pids, wait_for
 
 from tuner.executors import local
 from tuner.executors.local import LocalExecutor, run_trial, session_pids
@@ -158,6 +162,50 @@ def test_warm_ranks_are_fresh_processes_of_the_trials_own_session(standin):
     for r in results:
         assert {sid for pid, sid in ids if f"ids {pid} " in r.log_tail} == {r.extra["session"]}
         assert r.extra["session"] != os.getsid(helper.pid) and session_pids(r.extra["session"]) == []
+
+
+# A process that runs one trial through a helper another process keeps, as a Ray worker does.
+CLIENT = """
+import json, sys
+from tuner.executors import local
+from tuner.result import TrialSpec
+local.RANK_MODULE = "standin_rank"
+local.run_trial(TrialSpec.from_dict(json.loads(sys.argv[1])), helper_socket=sys.argv[2])
+"""
+
+
+def test_a_node_helper_ends_the_trial_of_a_client_that_died_and_serves_the_next(standin, monkeypatch):
+    """A node's helper (a Ray node's `WarmHost` keeps one) forks the trials of other processes.
+    When one of them dies mid-trial (a killed Ray worker), nobody supervises that trial any more:
+    the helper ends its session rather than let it hold the cores, and goes on serving."""
+    from tuner.executors import warm
+
+    helper = warm.WarmHelper(local.trial_env(), socket_path=str(standin / "node" / "helper.sock"))
+    try:
+        helper.wait_ready()
+        spec = make_spec(standin, "orphan", timeout_s=600)
+        monkeypatch.setenv("TUNER_TEST_FAULT", "hang")  # every rank sleeps: only a kill ends it
+        client = subprocess.Popen(
+            [sys.executable, "-c", CLIENT, json.dumps(spec.to_dict()), helper.socket_path]
+        )
+        pids = wait_for(
+            lambda: len(trial_pids(spec)) == 3 and trial_pids(spec), 60, "the launcher and 2 ranks"
+        )
+        assert helper.pid in {
+            parent_pid(pid) for pid in pids
+        }  # the launcher is the helper's, not the client's
+        os.kill(client.pid, signal.SIGKILL)
+        client.wait()
+        wait_for(lambda: not trial_pids(spec), 15, "the orphaned trial's processes to end")
+        assert helper.alive()
+
+        monkeypatch.delenv("TUNER_TEST_FAULT")
+        after = run_trial(make_spec(standin, "after"), helper_socket=helper.socket_path)
+        assert after.status == "ok", after.error
+        assert after.extra["start"] == "warm"
+    finally:
+        helper.close()
+    assert not (standin / "node" / "helper.sock").exists()
 
 
 def test_the_helper_prepares_inductor_for_the_first_trial_that_compiles(standin):

@@ -43,6 +43,7 @@ def run_trial(
     stop: threading.Event | None = None,
     module: str | None = None,
     node: NodePart | None = None,
+    helper_socket: str | None = None,
 ) -> TrialResult:
     """Run one trial to completion and classify it; never raises because the trial failed.
 
@@ -50,7 +51,8 @@ def run_trial(
     setting `stop` ends the trial early (status error, error_kind "cancelled"); `module` is what
     each rank runs instead of RANK_MODULE (the build runs `tuner.workload.build_rank`). With
     `node`, only that node's ranks of a multi-node trial run here; a node other than 0 reports no
-    metrics (rank 0 measures), only whether its ranks ended well.
+    metrics (rank 0 measures), only whether its ranks ended well. `helper_socket`: the warm helper
+    another process of this node keeps (a Ray node's `WarmHost`) instead of this process's own.
     """
     # The launcher runs in the trial's directory and the ranks read paths from the spec: a relative
     # workdir would mean another place to each of them.
@@ -72,7 +74,9 @@ def run_trial(
     # A multi-node trial's port is chosen by node 0's Ray task, known to every node: no retry here.
     retries = PORT_RETRIES if node is None else 0
     # A build's rank (`module`) times its compiler from a fresh interpreter: always cold.
-    helper = warm.shared_helper(child_env) if module is None and warm.enabled(child_env) else None
+    helper: warm.WarmHelper | warm.NodeHelper | None = None
+    if module is None and warm.enabled(child_env):
+        helper = warm.NodeHelper(helper_socket) if helper_socket else warm.shared_helper(child_env)
     for attempt in range(1 + retries):
         result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop, helper, measures)
         # The rendezvous port is free when the launcher picks it but only bound seconds later,
@@ -114,7 +118,7 @@ def _run_once(
     env: dict[str, str],
     deadline: float,
     stop: threading.Event | None,
-    helper: warm.WarmHelper | None,
+    helper: warm.WarmHelper | warm.NodeHelper | None,
     measures: bool = True,
 ) -> TrialResult:
     workdir = Path(spec.workdir)

@@ -7,10 +7,17 @@ and killed exactly like a cold one (`tuner.executors.launcher`, `tuner.executors
 only skips the interpreter start and the imports (about 2 CPU-s per rank).
 
 The helper ends when its parent process ends (its stdin closes), killing the sessions it
-started. A helper that died is started again on the next trial; a trial that cannot reach a
-helper runs cold, and so does a build's rank (`run_trial(module=...)`), which times the compiler
-from a fresh interpreter, imports included. `TUNER_WARM_START=0` (in the environment or in the
-executor's `env`) turns the helper off.
+started; it also kills a trial's session when the client that asked for it disconnects before the
+trial ended (the Ray worker running the trial was killed). A helper that died is started again on
+the next trial; a trial that cannot reach a helper runs cold, and so does a build's rank
+(`run_trial(module=...)`), which times the compiler from a fresh interpreter, imports included.
+`TUNER_WARM_START=0` (in the environment or in the executor's `env`) turns the helper off.
+
+On Ray the helper belongs to the node, not to a worker: the executor starts one `WarmHost` actor
+per node when it starts (`tuner.executors.ray_node`), whose helper listens at a path both sides
+derive from a name (`node_socket_path`), and every trial task on that node, whichever worker runs
+it, forks its launcher from there (`NodeHelper`). So no trial waits for torch's import, not even
+the study's first.
 
     python -m tuner.executors.warm SOCKET   (started by `shared_helper`, not by hand)
 """
@@ -131,10 +138,20 @@ def _alive(pid: int) -> bool:
 class WarmHelper:
     """The client side: starts the helper process and asks it to fork launchers."""
 
-    def __init__(self, env: dict[str, str]):
-        self._dir = tempfile.mkdtemp(prefix="tuner-warm-")
-        self.socket_path = os.path.join(self._dir, "helper.sock")
-        self._log = open(os.path.join(self._dir, "helper.log"), "wb")  # noqa: SIM115 - the helper's lifetime
+    def __init__(self, env: dict[str, str], socket_path: str | None = None):
+        """`socket_path`: where the helper listens (a node's helper, `node_socket_path`); by default
+        a fresh directory of this helper's own."""
+        self._own_dir = socket_path is None
+        if socket_path is None:
+            socket_path = os.path.join(tempfile.mkdtemp(prefix="tuner-warm-"), "helper.sock")
+        else:
+            os.makedirs(os.path.dirname(socket_path), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket_path)  # a helper that died before: bind would refuse the path
+        self._dir = os.path.dirname(socket_path)
+        self.socket_path = socket_path
+        self._log_path = socket_path.removesuffix(".sock") + ".log"
+        self._log = open(self._log_path, "wb")  # noqa: SIM115 - the helper's lifetime
         # stdin is how the helper notices this process ending; stdout says when it is ready.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tuner.executors.warm", self.socket_path],
@@ -181,28 +198,11 @@ class WarmHelper:
         earlier trial made it (seconds, hence the longer wait for its answer)."""
         self.wait_ready()
         request = {"argv": argv, "env": env, "cwd": cwd, "stderr": stderr_path, "compiles": compiles}
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.settimeout(READY_TIMEOUT_S if compiles else 30)
-            conn.connect(self.socket_path)
-            conn.sendall(json.dumps(request).encode() + b"\n")
-            reply = b""
-            while b"\n" not in reply:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    raise OSError("the helper closed the connection")
-                reply += chunk
-            pid = int(json.loads(reply.split(b"\n", 1)[0])["pid"])
-        except (OSError, ValueError, KeyError) as err:
-            conn.close()
-            raise Unavailable(f"the warm-start helper did not answer: {err}") from None
-        proc = WarmProcess(pid, conn)
-        proc._buf = reply.split(b"\n", 1)[1]
-        return proc
+        return _fork(self.socket_path, request, connect_s=0.0)
 
     def log_tail(self) -> str:
         with contextlib.suppress(OSError):
-            return Path(self._dir, "helper.log").read_text(errors="replace")[-1000:].strip() or "no output"
+            return Path(self._log_path).read_text(errors="replace")[-1000:].strip() or "no output"
         return "no output"
 
     def close(self) -> None:
@@ -214,7 +214,68 @@ class WarmHelper:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._own_dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        else:
+            for path in (self.socket_path, self._log_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+
+class NodeHelper:
+    """The client of a helper that another process of this node keeps (a Ray node's `WarmHost`):
+    it forks launchers like `WarmHelper.launch`. Its helper is ready once its socket accepts; a
+    trial waits up to READY_TIMEOUT_S for that (the helper is importing torch, or its host is
+    starting it again after it died), then runs cold."""
+
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+
+    def launch(
+        self, argv: list[str], env: dict[str, str], cwd: str, stderr_path: str, compiles: bool = False
+    ) -> WarmProcess:
+        request = {"argv": argv, "env": env, "cwd": cwd, "stderr": stderr_path, "compiles": compiles}
+        return _fork(self.socket_path, request, connect_s=READY_TIMEOUT_S)
+
+
+def node_socket_path(name: str) -> str:
+    """Where the helper named `name` of this node listens: the same path for its host and for every
+    trial task on the node, from the node's own temporary directory."""
+    return os.path.join(tempfile.gettempdir(), f"tuner-warm-{os.getuid()}", f"{name}.sock")
+
+
+def _fork(path: str, request: dict, connect_s: float) -> WarmProcess:
+    """Ask the helper at `path` to fork a launcher; its pid comes back at once. `connect_s`: how long
+    to keep trying while no helper answers there (it is importing torch, or its host is starting it
+    again after it died: a connection queued when it died is reset)."""
+    end = time.monotonic() + connect_s
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(30)
+            conn.connect(path)
+            # Preparing Inductor for the first compiled trial takes seconds before the helper answers.
+            conn.settimeout(READY_TIMEOUT_S if request.get("compiles") else 30)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reply = b""
+            while b"\n" not in reply:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise ConnectionResetError("the helper closed the connection")
+                reply += chunk
+            pid = int(json.loads(reply.split(b"\n", 1)[0])["pid"])
+        except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as err:
+            conn.close()
+            if time.monotonic() >= end:
+                raise Unavailable(f"the warm-start helper did not answer at {path}: {err}") from None
+            time.sleep(0.05)
+            continue
+        except (OSError, ValueError, KeyError) as err:
+            conn.close()
+            raise Unavailable(f"the warm-start helper did not answer: {err}") from None
+        proc = WarmProcess(pid, conn)
+        proc._buf = reply.split(b"\n", 1)[1]
+        return proc
 
 
 _shared: WarmHelper | None = None

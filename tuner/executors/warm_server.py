@@ -45,7 +45,24 @@ def serve(path: str, preload: tuple[str, ...], prepare_compile: Callable[[], Non
                 _shutdown(children)  # the process that started us is gone
             elif key.data == "accept":
                 _accept(listener, sel, children, before_fork)
-        _reap(children)
+            elif isinstance(key.data, int):
+                _client_gone(key.data, sel, children)
+        _reap(children, sel)
+
+
+def _client_gone(pid: int, sel: selectors.BaseSelector, children: dict[int, socket.socket]) -> None:
+    """The connection of launcher `pid`'s client became readable. A client sends nothing after its
+    request, so it has closed: it died (a killed Ray worker) and nobody supervises the trial any
+    more, which must not go on holding the cores or the devices. Its session is killed; the
+    launcher is reaped like any other."""
+    conn = children.get(pid)
+    if conn is None:
+        return
+    sel.unregister(conn)
+    with contextlib.suppress(OSError):
+        if conn.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK):
+            return  # a stray byte, not an end: keep the trial (and stop watching this client)
+    kill_session(pid)
 
 
 def _accept(
@@ -79,12 +96,13 @@ def _accept(
             # The client stopped waiting (it starts the trial cold): nobody would watch this one.
             kill_session(pid)
             raise
+        sel.register(conn, selectors.EVENT_READ, pid)
     except (OSError, ValueError) as err:
         print(f"warm helper: bad request: {err}", file=sys.stderr, flush=True)
         conn.close()
 
 
-def _reap(children: dict[int, socket.socket]) -> None:
+def _reap(children: dict[int, socket.socket], sel: selectors.BaseSelector | None = None) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -94,6 +112,9 @@ def _reap(children: dict[int, socket.socket]) -> None:
             return
         conn = children.pop(pid, None)
         if conn is not None:
+            if sel is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    sel.unregister(conn)
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
             conn.close()
