@@ -10,9 +10,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest_ray import RAY_CPUS, collect, start_ray_runtime, tiny_spec, trial_pids, wait_for
+from conftest_ray import RAY_CPUS, collect, parent_pid, start_ray_runtime, tiny_spec, trial_pids, wait_for
 
 from tuner.executors.ray_executor import CoreLease, RayExecutor
 from tuner.recipe import recipe_from_dict
@@ -132,6 +133,11 @@ def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_pat
         return executor.where("long")
 
     where = wait_for(started, 30, "the long trial's start message")
+    # The launcher was forked by the node's helper (its WarmHost's), not by a helper of the worker.
+    pids = trial_pids(long)
+    [helper] = {parent_pid(pid) for pid in pids} - set(pids)
+    assert b"tuner.executors.warm" in Path(f"/proc/{helper}/cmdline").read_bytes()
+    assert parent_pid(helper) != where["worker_pid"]
     os.kill(where["worker_pid"], signal.SIGKILL)
     died = collect(executor, {"long"}, timeout_s=30)
 
@@ -139,19 +145,51 @@ def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_pat
     assert died[0].status == "error"
     assert died[0].error_kind == "worker_died"
     assert "WorkerCrashedError" in died[0].error
-    # The ranks follow their dead worker (parent-death signals), so the cores are really free.
+    # The node's helper ends the trial of a client that died, so the cores are really free.
     wait_for(lambda: not trial_pids(long), 15, "the dead worker's trial processes to exit")
+    assert os.path.exists(f"/proc/{helper}")  # and it outlived the worker
 
     t0 = time.monotonic()
     after = executor.run(tiny_spec(tmp_path, "after"))
     assert after.status == "ok", after.error
-    assert after.extra["start"] == "warm"  # forked from the new worker's own helper
+    assert after.extra["start"] == "warm"  # forked from the same node helper, in a new worker
     assert after.extra["ray_node_id"] == where["ray_node_id"]
     assert after.extra["ray_node_ip"] and after.node
     assert len(after.extra["cores"]) == 1
     assert os.path.exists(after.log_path) and "ok: step" in after.log_tail
     assert after.wall_s <= time.monotonic() - t0
     assert executor.wait(timeout=0.5) == []  # the dead trial is not reported a second time
+
+
+def node_helpers() -> dict[int, bytes]:
+    """The node helpers alive on this host (pid: command line): they listen in the node directory."""
+    from tuner.executors.warm import node_socket_path
+
+    where = os.path.dirname(node_socket_path("x")).encode()
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"tuner.executors.warm" in cmdline and where in cmdline:
+            found[int(entry)] = cmdline
+    return found
+
+
+@pytest.mark.slow
+def test_a_node_helper_that_died_is_started_again_and_no_trial_runs_cold(executor, tmp_path):
+    first = executor.run(tiny_spec(tmp_path, "first"))
+    assert first.status == "ok" and first.extra["start"] == "warm"
+    [(pid, cmdline)] = node_helpers().items()  # one node, one helper for this executor
+    os.kill(pid, signal.SIGKILL)
+
+    second = executor.run(tiny_spec(tmp_path, "second"))  # its task waits for the helper's restart
+
+    assert second.status == "ok", second.error
+    assert second.extra["start"] == "warm"
+    [(new_pid, new_cmdline)] = node_helpers().items()
+    assert new_pid != pid and new_cmdline == cmdline  # started again at the same path
 
 
 @pytest.mark.slow

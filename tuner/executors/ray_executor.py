@@ -49,6 +49,7 @@ from tuner.executors.ray_node import (  # noqa: F401 - CoreLease is part of this
     trial_demand,
     world_size,
 )
+from tuner.executors.ray_warm import WarmHosts
 from tuner.record.status import OOM
 from tuner.result import TrialResult, TrialSpec
 
@@ -110,6 +111,8 @@ class RayExecutor(Executor):
         self._running: dict[str, Trial] = {}
         self._finished: list[TrialResult] = []
         self._ended: list[tuple[str, str, int, float]] = []  # (node, resource, amount, when)
+        # Each node's warm helper, by node id, for the trial tasks (`tuner.executors.ray_warm`).
+        self._warm = WarmHosts(env)
 
     # -- capacity --------------------------------------------------------------------------------
 
@@ -198,7 +201,9 @@ class RayExecutor(Executor):
         if node_rank is not None:
             options["scheduling_strategy"] = bundle_strategy(trial.group, node_rank)
             part = {"node_rank": node_rank, "nnodes": trial.nnodes, **(master or {})}
-        gen = self._task.options(**options).remote(trial.spec.to_dict(), self._env, self._lease_dir, part)
+        gen = self._task.options(**options).remote(
+            trial.spec.to_dict(), self._env, self._lease_dir, part, self._warm.names
+        )
         trial.parts.append(Part(gen, node_rank))
 
     def _advance(self, trial: Trial, part: Part) -> TrialResult | None:
@@ -370,6 +375,7 @@ class RayExecutor(Executor):
         import ray
 
         self.cancel()
+        self._warm.close()
         if self._owns_runtime and ray.is_initialized():
             ray.shutdown()
             self._owns_runtime = False

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tuner.executors.warm import node_socket_path
 from tuner.record.status import ERROR
 from tuner.result import TrialResult, TrialSpec
 
@@ -110,13 +111,18 @@ def _node_part(spec: TrialSpec, part: dict[str, Any] | None, ip: str, where: dic
 
 
 def run_on_node(
-    spec_dict: dict[str, Any], env: dict[str, str] | None, lease_dir: str, part: dict[str, Any] | None = None
+    spec_dict: dict[str, Any],
+    env: dict[str, str] | None,
+    lease_dir: str,
+    part: dict[str, Any] | None = None,
+    helpers: dict[str, str] | None = None,
 ):
     """The Ray task (a generator): yields where it runs as soon as it starts, then the result dict.
 
     `part` makes it one node's share of a multi-node trial: {"node_rank", "nnodes"} and, for nodes
     other than 0, the "master_addr" and "master_port" node 0 reported. Node 0 picks the port on its
-    own address and reports it in its first yield.
+    own address and reports it in its first yield. `helpers`: the name of each node's warm helper
+    (`tuner.executors.ray_warm`), by Ray node id; a node without one uses this worker's own helper.
     """
     import ray
 
@@ -127,6 +133,8 @@ def run_on_node(
     node = _node_part(spec, part, ip=where["ray_node_ip"], where=where)
     yield where  # tells the driver the trial left Ray's queue (see RayExecutor.free_slots)
     local_ranks = world_size(spec) if node is None else node.local_world(world_size(spec))
+    helper_name = (helpers or {}).get(where["ray_node_id"])
+    helper_socket = node_socket_path(helper_name) if helper_name else None
     lease = None
     if spec.family == "cpu":
         lease = CoreLease.take(local_ranks, lease_dir, spec.timeout_s)
@@ -143,7 +151,14 @@ def run_on_node(
         result = _run_interruptible(
             spec,
             where,
-            lambda stop: run_trial(spec, env=env, cpus=lease.cores if lease else None, stop=stop, node=node),
+            lambda stop: run_trial(
+                spec,
+                env=env,
+                cpus=lease.cores if lease else None,
+                stop=stop,
+                node=node,
+                helper_socket=helper_socket,
+            ),
         )
     finally:
         if lease is not None:
