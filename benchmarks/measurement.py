@@ -98,6 +98,7 @@ def run_condition(
     import optuna
 
     import tuner.study.remeasure as remeasure
+    from tuner.cli.tune import _preflight
     from tuner.executors import make_executor
     from tuner.record import keys
     from tuner.study import run_study
@@ -114,6 +115,9 @@ def run_condition(
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     with make_executor(kind, env=env) as executor:
+        # What `tuner tune` does between starting its executor and the study (its warm helpers
+        # import torch meanwhile), so that the first trial waits for them as it would there.
+        _preflight(recipe, recipe.search.sampler)
         summary = run_study(
             recipe,
             storage_url=url,

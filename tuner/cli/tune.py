@@ -139,36 +139,34 @@ def tune(
         refusal = multi_node_refusal(recipe.hardware.nodes)
         if refusal:
             fail(refusal)
-        from tuner.executors.local import prestart_helper
-
-        # The warm helper imports torch (seconds) while the checks below run (about 2.5 s on
-        # the test machine), so the first trial waits that much less for it.
-        prestart_helper()
-    _preflight(recipe, sampler or recipe.search.sampler)
-    url = storage_or_exit(storage)
-
     from tuner.executors import make_executor
     from tuner.study import run_study
 
+    # The executor starts before the checks below (about 2.5 s on the test machine): its warm
+    # helpers (this process's, or one per Ray node) import torch meanwhile, so the first trial
+    # waits that much less for them. A failed check closes it again.
     try:
         runner = make_executor(executor)
     except (ImportError, RuntimeError, ValueError, ConnectionError) as err:
         fail(f"--executor {executor}: cannot start it: {err}")
     total = trials if trials is not None else recipe.search.trials
     try:
-        with runner, _LiveProgress(total) as live:
-            summary = run_study(
-                recipe,
-                storage_url=url,
-                executor=runner,
-                trials=trials,
-                timeout_s=timeout_min * 60 if timeout_min is not None else None,
-                patience=patience,
-                sampler=sampler,
-                seed=seed,
-                progress=live.on_event,
-                remeasure_top=remeasure,
-            )
+        with runner:
+            _preflight(recipe, sampler or recipe.search.sampler)
+            url = storage_or_exit(storage)
+            with _LiveProgress(total) as live:
+                summary = run_study(
+                    recipe,
+                    storage_url=url,
+                    executor=runner,
+                    trials=trials,
+                    timeout_s=timeout_min * 60 if timeout_min is not None else None,
+                    patience=patience,
+                    sampler=sampler,
+                    seed=seed,
+                    progress=live.on_event,
+                    remeasure_top=remeasure,
+                )
     except KeyboardInterrupt:
         err_console.print(
             "[yellow]interrupted[/]: running trials were stopped; run the same command again to continue"
