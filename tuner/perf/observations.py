@@ -16,9 +16,8 @@ from tuner.record.status import OK, OOM
 from tuner.result import budget_peak
 from tuner.space import config_from_params
 
-# `step_time_ci` (issue 16) once the trial record defines it; until then the spread.
-_CI_KEY = getattr(keys, "STEP_TIME_CI", None)
 _SPREAD_TO_SD = 0.25  # max-min over a handful of steps spans about four sd of the median
+_Z95 = 1.959964  # `step_time_ci` is the relative half-width of the median's 95% interval
 
 
 @dataclass(frozen=True)
@@ -39,14 +38,11 @@ class Observation:
 
 
 def relative_sd(attrs: dict[str, Any]) -> float:
-    """The measurement's relative sd: from the 90% interval of the median step time when the
-    trial has one, else from the spread of its measured steps."""
-    step = attrs.get(keys.STEP_TIME_S)
-    ci = attrs.get(_CI_KEY) if _CI_KEY else None
-    if isinstance(ci, (list, tuple)) and len(ci) == 2 and step:
-        return max(0.0, (float(ci[1]) - float(ci[0])) / (2 * 1.645 * float(step)))
+    """The measurement's relative sd: from the 95% interval of the median step time when the
+    trial has one (adaptive measurement), else from the spread of its measured steps."""
+    ci = attrs.get(keys.STEP_TIME_CI)
     if isinstance(ci, (int, float)) and ci >= 0:
-        return float(ci) / 1.645  # a relative half-width
+        return float(ci) / _Z95
     spread = attrs.get(keys.STEP_TIME_SPREAD)
     return _SPREAD_TO_SD * float(spread) if isinstance(spread, (int, float)) else 0.05
 
