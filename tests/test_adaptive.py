@@ -63,6 +63,23 @@ def test_steady_steps_stop_at_the_interval_target_noisy_ones_later_or_at_max_sec
     assert capped.stop_reason == "max_seconds" and 2.0 <= capped.measured_s < 2.0 + 1.0
 
 
+def test_a_config_surely_slower_than_its_contention_line_stops_early_and_one_that_may_win_does_not():
+    rng = random.Random(1)
+    plan = {"warmup_steps": 0, "steps": 5, "target_ci": 0.03, "max_seconds": 1e9}
+
+    def noisy():  # median step 0.1 s, single steps spread as widely as on a shared CPU
+        return (0.1 * rng.lognormvariate(0, 0.3) for _ in range(10**5))
+
+    slow = feed(Plan(**plan, slower_than_s=0.05), noisy())  # twice as slow as the line
+    assert slow.stop_reason == "out_of_contention" and len(slow.times) < 20
+    assert slow.ci > 0.03  # it stopped long before the interval target
+    near = feed(Plan(**plan, slower_than_s=0.09), noisy())  # 10% slower: a few more steps tell
+    assert near.stop_reason == "out_of_contention" and len(slow.times) < len(near.times)
+    for line in (0.1, 0.12):  # on the line, or faster: it may win, so it is measured in full
+        m = feed(Plan(**plan, slower_than_s=line), noisy())
+        assert m.stop_reason == "target_ci" and m.ci <= 0.03
+
+
 def test_without_a_target_exactly_steps_are_measured():
     m = feed(Plan(2, 7, target_ci=None), [1.0] * 100)
     assert len(m.times) == 7 and m.stop_reason == "steps"
@@ -110,6 +127,17 @@ def test_jittered_trial_measures_more_steps_and_stops_at_max_seconds(tmp_path, m
     assert len(jitter.step_times) > len(steady.step_times)
     assert jitter.extra["stop_reason"] == "max_seconds" and jitter.step_time_ci > 0.25
     assert 8.0 <= jitter.measured_s < 8.0 + max(jitter.step_times) + 0.01
+
+
+@pytest.mark.slow
+def test_a_real_trial_out_of_contention_stops_after_its_fewest_steps(tmp_path):
+    spec = tiny_spec(tmp_path, "hopeless", target_ci=0.001, max_seconds=8)
+    spec.slower_than_tokens_per_s = 1e12  # no config on any machine reaches this
+    r = run_trial(spec)
+    assert r.status == "ok", r.error
+    assert r.extra["stop_reason"] == "out_of_contention"
+    assert len(r.step_times) == MIN_CI_STEPS  # the fewest steps that give a 95% interval
+    assert r.measured_s < 8 and r.step_time_ci > 0.001
 
 
 # ---- the tie rule uses the intervals ---------------------------------------------------------------

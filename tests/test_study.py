@@ -232,6 +232,24 @@ def test_remeasured_top_configs_keep_one_complete_trial_each(tune, url):
     assert ex2.submitted == []
 
 
+def test_each_new_trial_is_told_the_studys_contention_line_and_a_remeasurement_none(tune, url):
+    from tuner.study.driver import CONTENTION_SHARE
+
+    ex = FakeExecutor()
+    recipe = make_recipe("contention", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+    summary = tune(recipe, ex, trials=5, remeasure_top=2)
+    firsts = [s for s in ex.submitted if not s.tag.startswith("remeasure")]
+    assert firsts[0].slower_than_tokens_per_s is None  # nothing is measured yet
+    best = 0.0
+    for spec in firsts:
+        if best:
+            assert spec.slower_than_tokens_per_s == pytest.approx(CONTENTION_SHARE * best)
+        best = max(best, fake_tokens(Config(**spec.config)))
+    again = [s for s in ex.submitted if s.tag.startswith("remeasure")]
+    assert again and all(s.slower_than_tokens_per_s is None for s in again)  # measured in full
+    assert summary.best is not None
+
+
 def test_a_winner_that_was_lucky_loses_its_place_and_the_next_one_is_remeasured(tune):
     # micro_batch_size 8 measures fast once, then at a fifth of that: the median drops below 4's.
     ex = FakeExecutor(again={8: 0.2})

@@ -42,6 +42,9 @@ class TrialSpec:
     memory_budget_bytes: int | None = None  # per device; exceeding it is an oom
     seed: int = 0
     tag: str = ""  # caller's handle (e.g. Optuna trial number), echoed back in the result
+    # A throughput the config is out of contention below (the study's best so far, with a margin):
+    # its measurement may stop before its interval is tight (`tuner.workload.adaptive.Plan`).
+    slower_than_tokens_per_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

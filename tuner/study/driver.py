@@ -41,6 +41,10 @@ HEARTBEAT_INTERVAL_S = 5.0  # also how long one executor.wait blocks
 
 # Every trial of a study uses the same model init and data, so losses compare across configs.
 TRIAL_SEED = 0
+# A new trial surely slower than this share of the study's best so far (its whole 95% interval
+# below) cannot win: its measured steps stop then, before the interval reaches measure.target_ci.
+# Configs that may still win are measured in full, and re-measurements always are.
+CONTENTION_SHARE = 0.8
 
 
 @dataclass
@@ -298,12 +302,10 @@ class Driver:
         else:
             if v.estimated_peak_mem_bytes is not None:
                 trial.set_user_attr(keys.ESTIMATED_PEAK_MEM_BYTES, v.estimated_peak_mem_bytes)
-            self._submit(
-                trial,
-                config,
-                self.spec(config, str(trial.number), v.estimated_peak_mem_bytes, v.memory_budget_bytes),
-                role,
-            )
+            spec = self.spec(config, str(trial.number), v.estimated_peak_mem_bytes, v.memory_budget_bytes)
+            if self.best:
+                spec.slower_than_tokens_per_s = CONTENTION_SHARE * self.best
+            self._submit(trial, config, spec, role)
 
     def _submit(self, trial: optuna.trial.Trial, config: Config, spec: TrialSpec, role: str | None) -> None:
         try:
@@ -364,6 +366,7 @@ class Driver:
         trial = p.trial
         record = {k: getattr(result, k) for k in (*keys.RESULT_KEYS, *keys.EVIDENCE_KEYS)}
         record[keys.DEVICE_SECONDS] = (result.wall_s or 0.0) * p.config.world_size
+        record[keys.MEASURE_STOP] = result.extra.get("stop_reason")
         for key, value in record.items():
             if value is not None:
                 trial.set_user_attr(key, value)

@@ -1,7 +1,9 @@
 """When to stop warming up and when to stop measuring (pure Python, no torch): warm-up ends when
 the step time settles, measurement ends when the 95% confidence interval of the median step time
 is tight enough, or its time cap passes. Every rank feeds the same step times (the slowest rank's),
-so every rank takes the same decision and no collective is left waiting."""
+so every rank takes the same decision and no collective is left waiting. A trial of a study also
+stops once it is surely out of contention for the best (`Plan.slower_than_s`): its figure needs
+no tight interval to lose."""
 
 from __future__ import annotations
 
@@ -72,13 +74,17 @@ def settled(times: list[float]) -> bool:
 @dataclass
 class Plan:
     """The measure section's limits: warm-up ceiling, minimum measured steps, the CI target and the
-    time cap on the measured steps. `target_ci=None` measures exactly `steps` steps."""
+    time cap on the measured steps. `target_ci=None` measures exactly `steps` steps.
+    `slower_than_s`: a step time the config is out of contention above (the study's best so far,
+    with a margin): measurement also stops, after the minimum steps, once the median's whole 95%
+    interval lies above it."""
 
     warmup_steps: int
     steps: int
     target_ci: float | None = 0.03
     max_seconds: float = 20.0
     max_steps: int = 100_000  # a bound for very fast steps that never reach the target
+    slower_than_s: float | None = None
 
 
 @dataclass
@@ -124,7 +130,8 @@ class Measurement:
         return relative_half_width(self._sorted)
 
     def done(self) -> bool:
-        """Whether to stop (sets `stop_reason`: target_ci, max_seconds, steps or max_steps)."""
+        """Whether to stop (sets `stop_reason`: target_ci, max_seconds, steps, max_steps or
+        out_of_contention)."""
         p = self.plan
         n = len(self.times)
         if self.warming_up or n < p.steps:
@@ -135,6 +142,10 @@ class Measurement:
             self.stop_reason = "max_seconds"
         elif n >= p.max_steps:
             self.stop_reason = "max_steps"
+        elif (
+            p.slower_than_s is not None and n >= MIN_CI_STEPS and median_ci(self._sorted)[0] > p.slower_than_s
+        ):
+            self.stop_reason = "out_of_contention"
         elif (ci := self.ci) is not None and ci <= p.target_ci:
             self.stop_reason = "target_ci"
         return self.stop_reason is not None

@@ -156,9 +156,15 @@ class StepClock:
         return dt
 
 
-def plan_of(m: MeasureSpec) -> Plan:
+def plan_of(m: MeasureSpec, slower_than_s: float | None = None) -> Plan:
     cap = float(os.environ.get("TUNER_TEST_MEASURE_MAX_S") or "inf")
-    return Plan(m.warmup_steps, m.steps, target_ci=m.target_ci, max_seconds=min(float(m.max_seconds), cap))
+    return Plan(
+        m.warmup_steps,
+        m.steps,
+        target_ci=m.target_ci,
+        max_seconds=min(float(m.max_seconds), cap),
+        slower_than_s=slower_than_s,
+    )
 
 
 def measure(train: Training, spec: TrialSpec, baseline: int) -> tuple[list[float], list[float]]:
@@ -178,7 +184,12 @@ def measure_adaptive(train: Training, spec: TrialSpec, baseline: int) -> tuple[M
     m = train.recipe.measure
     fault = Fault(train.env.rank, train.device)
     clock = StepClock(spec.family, train.env.world_size, train.device)
-    run = Measurement(plan_of(m))
+    slower_than_s = None
+    if spec.slower_than_tokens_per_s:  # every step trains the same tokens, whatever the config
+        slower_than_s = (
+            train.recipe.train.global_batch_size * train.recipe.model.seq_len / spec.slower_than_tokens_per_s
+        )
+    run = Measurement(plan_of(m, slower_than_s))
     local_losses: list[torch.Tensor] = []
     i = 0
     while not run.done():
