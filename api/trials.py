@@ -87,7 +87,9 @@ def public_item(t: TrialRecord) -> dict[str, Any]:
         "status": t.status,
         "tokens_per_s": value if value is not None else t.attrs.get(keys.TOKENS_PER_S),
         "config": stored if isinstance(stored, dict) else _config(t.params),
-        "result": {k: t.attrs[k] for k in (*keys.RESULT_KEYS, *keys.WHERE_KEYS) if k in t.attrs},
+        "result": {
+            k: t.attrs[k] for k in (*keys.RESULT_KEYS, *keys.WHERE_KEYS, keys.MEASURE_STOP) if k in t.attrs
+        },
         "started_at": _iso(t.started_at),
         "finished_at": _iso(t.finished_at),
         "duration_s": t.duration_s,
