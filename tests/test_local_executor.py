@@ -208,6 +208,21 @@ def test_a_node_helper_ends_the_trial_of_a_client_that_died_and_serves_the_next(
     assert not (standin / "node" / "helper.sock").exists()
 
 
+def test_a_node_helper_that_never_answers_costs_one_cold_trial_then_the_process_uses_its_own(
+    standin, monkeypatch
+):
+    from tuner.executors import warm
+
+    monkeypatch.setattr(warm, "READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(warm, "_unreachable", set())
+    gone = str(standin / "no-host" / "helper.sock")  # its host died and took its helper with it
+    first = run_trial(make_spec(standin, "first"), helper_socket=gone)
+    second = run_trial(make_spec(standin, "second"), helper_socket=gone)
+    assert first.status == second.status == "ok"
+    assert first.extra["start"].startswith("cold (the warm-start helper did not answer")
+    assert second.extra["start"] == "warm"  # this process's own helper, with no second wait
+
+
 def test_the_helper_prepares_inductor_for_the_first_trial_that_compiles(standin):
     """From the first trial with `compile` on, ranks forked from the helper find Inductor's CPU
     probe done (test programs loaded in child interpreters, about 1.2 s per rank); trials before it

@@ -76,7 +76,7 @@ def run_trial(
     # A build's rank (`module`) times its compiler from a fresh interpreter: always cold.
     helper: warm.WarmHelper | warm.NodeHelper | None = None
     if module is None and warm.enabled(child_env):
-        helper = warm.NodeHelper(helper_socket) if helper_socket else warm.shared_helper(child_env)
+        helper = warm.helper_for(child_env, helper_socket)
     for attempt in range(1 + retries):
         result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop, helper, measures)
         # The rendezvous port is free when the launcher picks it but only bound seconds later,

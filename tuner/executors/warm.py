@@ -14,7 +14,7 @@ the next trial; a trial that cannot reach a helper runs cold, and so does a buil
 `TUNER_WARM_START=0` (in the environment or in the executor's `env`) turns the helper off.
 
 On Ray the helper belongs to the node, not to a worker: the executor starts one `WarmHost` actor
-per node when it starts (`tuner.executors.ray_node`), whose helper listens at a path both sides
+per node when it starts (`tuner.executors.ray_warm`), whose helper listens at a path both sides
 derive from a name (`node_socket_path`), and every trial task on that node, whichever worker runs
 it, forks its launcher from there (`NodeHelper`). So no trial waits for torch's import, not even
 the study's first.
@@ -226,7 +226,8 @@ class NodeHelper:
     """The client of a helper that another process of this node keeps (a Ray node's `WarmHost`):
     it forks launchers like `WarmHelper.launch`. Its helper is ready once its socket accepts; a
     trial waits up to READY_TIMEOUT_S for that (the helper is importing torch, or its host is
-    starting it again after it died), then runs cold."""
+    starting it again after it died), then runs cold, and this process's later trials use a
+    helper of its own (`helper_for`) instead of waiting for that one again."""
 
     def __init__(self, socket_path: str):
         self.socket_path = socket_path
@@ -235,7 +236,22 @@ class NodeHelper:
         self, argv: list[str], env: dict[str, str], cwd: str, stderr_path: str, compiles: bool = False
     ) -> WarmProcess:
         request = {"argv": argv, "env": env, "cwd": cwd, "stderr": stderr_path, "compiles": compiles}
-        return _fork(self.socket_path, request, connect_s=READY_TIMEOUT_S)
+        try:
+            return _fork(self.socket_path, request, connect_s=READY_TIMEOUT_S)
+        except Unavailable:
+            _unreachable.add(self.socket_path)
+            raise
+
+
+_unreachable: set[str] = set()  # node helpers that did not answer within READY_TIMEOUT_S
+
+
+def helper_for(env: dict[str, str], socket_path: str | None = None) -> WarmHelper | NodeHelper:
+    """The helper a trial forks from: the node's at `socket_path` unless it failed to answer
+    before, else this process's own."""
+    if socket_path and socket_path not in _unreachable:
+        return NodeHelper(socket_path)
+    return shared_helper(env)
 
 
 def node_socket_path(name: str) -> str:
