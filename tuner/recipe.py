@@ -243,6 +243,11 @@ class Recipe(_Section):
     search: SearchSpec = SearchSpec()
     measure: MeasureSpec = MeasureSpec()
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains: the same for every config of the recipe."""
+        return self.train.global_batch_size * self.model.seq_len
+
     def hash(self) -> str:
         """Stable 16-hex-digit hash of what changes the measurement (not name or search budget)."""
         payload = {

@@ -33,8 +33,7 @@ class Observation:
     @property
     def step_time_s(self) -> float:
         """Global tokens per step over tokens/s: the step the throughput was measured from."""
-        tokens = self.recipe.train.global_batch_size * self.recipe.model.seq_len
-        return tokens / float(self.tokens_per_s or math.nan)
+        return self.recipe.tokens_per_step / float(self.tokens_per_s or math.nan)
 
 
 def relative_sd(attrs: dict[str, Any]) -> float:

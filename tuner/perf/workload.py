@@ -133,7 +133,7 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         dp_msgs = max(1, math.ceil(elems * p_bytes / (c.bucket_mb * MiB)))
         dp_bytes = _ring(elems * per, c.dp)
     return StepWork(
-        tokens=recipe.train.global_batch_size * m.seq_len,
+        tokens=recipe.tokens_per_step,
         microbatches=n_micro,
         micro_tokens=micro_tokens,
         flops_micro=flops_micro,

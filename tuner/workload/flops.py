@@ -35,5 +35,4 @@ def flops_per_token(m: ModelSpec) -> float:
 
 def flops_per_step(recipe: Recipe) -> float:
     """Model FLOPs of one optimizer step over the global batch."""
-    tokens = recipe.train.global_batch_size * recipe.model.seq_len
-    return flops_per_token(recipe.model) * tokens
+    return flops_per_token(recipe.model) * recipe.tokens_per_step

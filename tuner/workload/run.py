@@ -184,12 +184,8 @@ def measure_adaptive(train: Training, spec: TrialSpec, baseline: int) -> tuple[M
     m = train.recipe.measure
     fault = Fault(train.env.rank, train.device)
     clock = StepClock(spec.family, train.env.world_size, train.device)
-    slower_than_s = None
-    if spec.slower_than_tokens_per_s:  # every step trains the same tokens, whatever the config
-        slower_than_s = (
-            train.recipe.train.global_batch_size * train.recipe.model.seq_len / spec.slower_than_tokens_per_s
-        )
-    run = Measurement(plan_of(m, slower_than_s))
+    line = spec.slower_than_tokens_per_s
+    run = Measurement(plan_of(m, train.recipe.tokens_per_step / line if line else None))
     local_losses: list[torch.Tensor] = []
     i = 0
     while not run.done():
@@ -277,7 +273,7 @@ def _result(
         step_time_s=median,
         step_time_spread=(max(times) - min(times)) / median,
         step_time_ci=run.ci,
-        tokens_per_s=gbs * recipe.model.seq_len / median,
+        tokens_per_s=recipe.tokens_per_step / median,
         samples_per_s=gbs / median,
         tflops=tflops,
         mfu=tflops / peak if peak else None,
