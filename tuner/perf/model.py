@@ -28,12 +28,17 @@ PHYSICAL = (
     Coef("log_efficiency", 0.8),  # share of the dtype's peak a large matmul reaches
     Coef("log_half_tokens", 1.5),  # tokens per micro-batch and rank at which it reaches half that
     Coef("log_bandwidth", 1.0),
-    Coef("log_latency", 2.0),
+    Coef("log_latency", 2.0),  # per collective (all-reduce, gather, scatter)
     Coef("overlap_logit", 1.5),  # share of DDP/FSDP traffic hidden behind backward
     Coef("log_host_unit", 1.2),
     Coef("amp_O1", 0.6),  # compute speed of autocast relative to what the dtype's peak implies
     Coef("amp_O2", 0.6),
     Coef("log_mem_bandwidth", 1.0),  # what memory-bound kernels reach (bytes/s)
+    # A pipeline's point-to-point send or receive: one message to one peer, no reduction and no
+    # rendezvous of the whole group, so far cheaper than a collective (gloo on this project's
+    # CPUs: 0.04 ms against 0.7-4 ms for a small all-reduce). One latency for both left pp=2
+    # configs 7-21% slower than modelled (BENCHMARKS section 11).
+    Coef("log_p2p_latency", 2.0),
 )
 
 # Learned log multipliers of the whole step for knob values no formula covers, each against the
@@ -82,6 +87,7 @@ def prior(priors: DevicePriors) -> tuple[np.ndarray, np.ndarray]:
         0.0,
         0.0,
         math.log(priors.mem_bandwidth),
+        math.log(priors.p2p_latency),
     ]
     sd = [c.prior_sd for c in PHYSICAL]
     mean += [MULTIPLIER_PRIOR.get(m, 0.0) for m in MULTIPLIERS]
@@ -164,7 +170,7 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
 def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
     """Log step time (s) of every row under coefficients `theta` (COEF_NAMES order)."""
     c = f.cols
-    eff, half, bw, lat, overlap, host, o1, o2, mem_bw = theta[: len(PHYSICAL)]
+    eff, half, bw, lat, overlap, host, o1, o2, mem_bw, p2p = theta[: len(PHYSICAL)]
     speed = c["peak"] * np.exp(eff + o1 * c["amp_O1"] + o2 * c["amp_O2"])
     speed = speed * c["micro_tokens"] / (c["micro_tokens"] + math.exp(half))
     # One micro-batch on the busiest rank: matmuls at their speed, memory-bound kernels at the
@@ -178,7 +184,7 @@ def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
     pace = np.maximum(c["bubble"], c["oversub"] * c["balance"])
     share = c["oversub"]
     tp = (c["tp_msgs"] * math.exp(lat) + c["tp_bytes"] / math.exp(bw)) * share
-    pp = (c["pp_msgs"] * math.exp(lat) + c["pp_bytes"] / math.exp(bw)) * share
+    pp = (c["pp_msgs"] * math.exp(p2p) + c["pp_bytes"] / math.exp(bw)) * share
     # The optimizer steps once, after the last micro-batch (no overlap with the schedule).
     pipeline = (
         c["n_micro"] * (work * pace + tp * c["bubble"]) + pp + c["opt_bytes"] / math.exp(mem_bw) * share

@@ -1,6 +1,7 @@
 """Where the performance model starts before anything was measured: per device family, the peak
 FLOP/s of each dtype (the device table, or the measured matmul on CPUs and unknown devices), a
-link bandwidth and a latency per message, and a host cost per kernel-ish unit."""
+link bandwidth, a latency per collective and per point-to-point message, and a host cost per
+kernel-ish unit."""
 
 from __future__ import annotations
 
@@ -8,20 +9,26 @@ from dataclasses import dataclass, field
 
 from tuner.devices import DeviceInfo, peak_tflops
 
-# (efficiency, half-efficiency tokens, bandwidth bytes/s, latency s per message, host s per unit,
-# cross-node share, memory bandwidth bytes/s that memory-bound kernels reach: CPU per thread,
-# accelerators per device). cpu: the peak is a measured F.linear of the size class the models use, so
-# training matmuls reach most of it, and a few dozen rows per matmul already keep a core's vector
-# units busy (accelerators need thousands to fill their SMs or cubes); gloo over loopback on shared cores, with DTensor and autograd dispatch on the
-# same cores, costs about a millisecond a message. cuda/npu: datasheet peaks, of which training
-# reaches about half (published MFU 0.35-0.55); NVLink / HCCS inside a node, InfiniBand-class
-# (100-400 Gb/s) across nodes. Memory-bound kernels (norms, activations, softmax, the optimizer)
-# reach a few GB/s per CPU thread in eager PyTorch and most of an HBM's datasheet bandwidth
-# (H100 3.35 TB/s, Ascend 910B 1.6 TB/s). Each is a prior: the fit moves it to what this machine measures.
+# (efficiency, half-efficiency tokens, bandwidth bytes/s, latency s per collective, host s per
+# unit, cross-node share, memory bandwidth bytes/s that memory-bound kernels reach: CPU per
+# thread, accelerators per device, latency s per point-to-point message).
+# cpu: the peak is a measured F.linear of the size class the models use, so training matmuls reach
+# most of it, and a few dozen rows per matmul already keep a core's vector units busy
+# (accelerators need thousands to fill their SMs or cubes). gloo over loopback between ranks that
+# each hold one of a few shared cores: an all-reduce costs milliseconds (measured on a 2-core AMD
+# EPYC: 0.7-3.6 ms for 1-256 KiB, 3.4-5.3 ms for 4 MiB; 2-4 ms with both ranks computing in
+# between), and inside a trial, where DTensor, autograd and the ranks' skew add to it, five full
+# fits of measured tables on two CPUs (BENCHMARKS section 11) put it at 1.9-7.3 ms and 0.09-2.6
+# GB/s (median 0.15); a send/receive pair costs 0.04 ms. Memory-bound kernels (norms,
+# activations, softmax, the optimizer) reach a few GB/s per CPU thread in eager PyTorch.
+# cuda/npu: datasheet peaks, of which training reaches about half (published MFU 0.35-0.55);
+# NVLink / HCCS inside a node, InfiniBand-class (100-400 Gb/s) across nodes; most of an HBM's
+# datasheet bandwidth (H100 3.35 TB/s, Ascend 910B 1.6 TB/s); NCCL/HCCL point-to-point in
+# about 10 us. Each is a prior: the fit moves it to what this machine measures.
 _PRIORS = {
-    "cpu": (0.75, 32.0, 2e9, 1e-3, 2e-4, 1.0, 5e9),
-    "cuda": (0.45, 1024.0, 150e9, 2e-5, 6e-5, 0.15, 2e12),
-    "npu": (0.45, 1024.0, 100e9, 3e-5, 8e-5, 0.15, 1e12),
+    "cpu": (0.75, 32.0, 2e8, 3e-3, 2e-4, 1.0, 5e9, 5e-5),
+    "cuda": (0.45, 1024.0, 150e9, 2e-5, 6e-5, 0.15, 2e12, 1e-5),
+    "npu": (0.45, 1024.0, 100e9, 3e-5, 8e-5, 0.15, 1e12, 1.5e-5),
 }
 
 
@@ -35,12 +42,13 @@ class DevicePriors:
     # per dtype name (fp32, tf32, bf16, fp16): FLOP/s of one device (CPU: of one thread)
     peak_flops: dict[str, float]
     bandwidth: float  # bytes/s of one rank's link inside a node
-    latency: float  # s per collective or point-to-point message
+    latency: float  # s per collective message (all-reduce, gather, scatter)
     host_unit_s: float  # s of host work per layer pass (dispatch, launches, autograd)
     node_devices: int  # devices of one node: larger groups cross nodes
     cross_node_share: float  # cross-node bandwidth as a share of the in-node one
     cores: int = 0  # CPU: cores the ranks share (0: not a CPU)
     mem_bandwidth: float = 5e9  # bytes/s of memory-bound kernels: one device (CPU: one thread)
+    p2p_latency: float = 5e-5  # s per pipeline send or receive
     spread: dict[str, float] = field(default_factory=dict)  # prior sd (log) per coefficient
 
     def peak(self, dtype: str, ranks: int = 1) -> float:
@@ -63,7 +71,7 @@ class DevicePriors:
 
 def device_priors(device: DeviceInfo) -> DevicePriors:
     """Priors for `device` (on CPU, one thread's peak: ranks split the cores between them)."""
-    eff, half, bw, lat, host, cross, mem_bw = _PRIORS.get(device.family, _PRIORS["cuda"])
+    eff, half, bw, lat, host, cross, mem_bw, p2p = _PRIORS.get(device.family, _PRIORS["cuda"])
     # The datasheet's peak, or one thread's measured matmul (cached per machine and torch). A
     # low-precision dtype without native units (DeviceInfo.fast_dtypes) starts at the fp32 peak:
     # its lone matmul measures an unfused conversion path that autocast's kernels do not take.
@@ -76,5 +84,6 @@ def device_priors(device: DeviceInfo) -> DevicePriors:
     # group larger than this machine's devices crosses nodes.
     node = device.count if device.family != "cpu" else 1 << 30
     return DevicePriors(
-        device.family, eff, half, peaks, bw, lat, host, node, cross, cores, mem_bandwidth=mem_bw
+        device.family, eff, half, peaks, bw, lat, host, node, cross, cores, mem_bandwidth=mem_bw,
+        p2p_latency=p2p,
     )

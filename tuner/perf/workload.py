@@ -17,6 +17,14 @@ from tuner.recipe import Recipe
 _COMPRESSED_BYTES = {"fp16": 2, "bf16": 2, "powersgd": 0.25}  # powersgd: a low-rank factor pair
 
 
+def _summed_bytes(device: DeviceInfo, element_bytes: float) -> float:
+    """What a reduction (all-reduce, reduce-scatter) costs per element of `element_bytes`:
+    gloo, the CPU backend, sums 16-bit tensors element by element at about fp32's cost (on a
+    2-core AMD EPYC a 1M-element bf16 all-reduce took 3.9 ms, fp32 3.4 ms), so a 16-bit gradient
+    or activation saves it nothing; NCCL and HCCL move and sum half the bytes."""
+    return 4.0 if device.family == "cpu" and element_bytes == 2 else element_bytes
+
+
 @dataclass(frozen=True)
 class StepWork:
     """One step of one config on its busiest rank. Counts are per step unless named per micro."""
@@ -118,6 +126,7 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
     act_bytes = 4 if c.amp == "O0" else 2
     activation = micro_tokens * m.hidden * act_bytes
     tp_msgs = 0 if c.tp == 1 else int(layers * (4 + 2 * repeat))
+    tp_summed = micro_tokens * m.hidden * _summed_bytes(device, act_bytes)
     pp_msgs = 0 if c.pp == 1 else 2 * n_micro
     mem_micro, opt_bytes = _memory_traffic(recipe, c, micro_tokens, layers, repeat, True)
     fsdp = c.dp > 1 and c.dp_shard == "fsdp"
@@ -125,11 +134,14 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         dp_msgs, dp_bytes = 0, 0.0
     elif fsdp:
         elems = est.params_bytes * c.dp / 4
-        dp_msgs, dp_bytes = 3 * (layers + 1), 3 * (c.dp - 1) / c.dp * elems * (2 if c.amp == "O2" else 4)
+        p_bytes = 2 if c.amp == "O2" else 4
+        # Two all-gathers of the parameters (forward, backward) and a reduce-scatter of the gradients.
+        per = 2 * p_bytes + _summed_bytes(device, p_bytes)
+        dp_msgs, dp_bytes = 3 * (layers + 1), (c.dp - 1) / c.dp * elems * per
     else:
         p_bytes = 2 if c.amp == "O2" else 4
         elems = est.params_bytes / p_bytes
-        per = _COMPRESSED_BYTES.get(c.grad_compression, p_bytes)
+        per = _summed_bytes(device, _COMPRESSED_BYTES.get(c.grad_compression, p_bytes))
         dp_msgs = max(1, math.ceil(elems * p_bytes / (c.bucket_mb * MiB)))
         dp_bytes = _ring(elems * per, c.dp)
     return StepWork(
@@ -141,7 +153,7 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         mem_bytes_micro=mem_micro,
         opt_bytes=opt_bytes,
         tp_messages_micro=tp_msgs,
-        tp_bytes_micro=_ring(activation, c.tp) * tp_msgs,
+        tp_bytes_micro=_ring(tp_summed, c.tp) * tp_msgs,
         pp_messages=pp_msgs,
         pp_bytes=pp_msgs * activation,
         dp_messages=dp_msgs,
