@@ -130,6 +130,23 @@ def test_jittered_trial_measures_more_steps_and_stops_at_max_seconds(tmp_path, m
 
 
 @pytest.mark.slow
+def test_a_cpu_rank_reads_its_held_memory_in_the_second_warm_up_step_not_in_a_step_of_its_own(tmp_path):
+    # The held-memory step is untimed; the second warm-up step is untimed anyway, so the reading
+    # costs no extra step (it was 0.10-0.30 s of a gpt-tiny trial's ~0.7 s outside its measured
+    # steps). A warm-up ceiling of 1 has no second warm-up step: one step after the timed ones.
+    fixed = {"target_ci": None}
+    warm = run_trial(tiny_spec(tmp_path, "two", **fixed))
+    short = tiny_spec(tmp_path, "one", **fixed)
+    short.recipe["measure"]["warmup_steps"] = 1
+    late = run_trial(short)
+    for r in (warm, late):
+        assert r.status == "ok", r.error
+        assert r.peak_mem_allocated_bytes > 0 and r.peak_mem_reserved_bytes > 0
+    assert warm.extra["held_memory_step"] == 1 < warm.extra["warmup_steps"]
+    assert late.extra["warmup_steps"] == 1 and late.extra["held_memory_step"] == 1 + len(late.step_times)
+
+
+@pytest.mark.slow
 def test_a_real_trial_out_of_contention_stops_after_its_fewest_steps(tmp_path):
     spec = tiny_spec(tmp_path, "hopeless", target_ci=0.001, max_seconds=8)
     spec.slower_than_tokens_per_s = 1e12  # no config on any machine reaches this

@@ -1,9 +1,9 @@
 """A rank's peak memory: the allocator's statistics on CUDA/NPU, the resident set on CPU.
 
-CPU has no allocator view in torch, so a CPU rank reads its resident set twice: the timed steps'
-high-water mark is its `reserved` (glibc's retained heap included), and one untimed step after
-them, with the heap trimmed and malloc's in-use bytes sampled, gives its `allocated`
-(`HeldMemory`). docs/DESIGN.md, "CPU memory", has the numbers behind the split.
+CPU has no allocator view in torch, so a CPU rank reads its resident set twice: the trial's
+high-water mark is its `reserved` (glibc's retained heap included), and one untimed step (the
+second warm-up step, or one after the timed steps when the warm-up is shorter), with the heap
+trimmed and malloc's in-use bytes sampled, gives its `allocated` (`HeldMemory`). docs/DESIGN.md, "CPU memory", has the numbers behind the split.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 class HeldMemory:
     """A CPU rank's allocated peak over one untimed step: the CPU's counterpart of the CUDA
-    allocator's `allocated_bytes.all.peak`, where the timed steps' RSS peak is its `reserved`.
+    allocator's `allocated_bytes.all.peak`, where the trial's RSS peak is its `reserved`.
 
     On entry the heap's free pages go back to the OS (`malloc_trim`), so the resident set is what
     the rank holds between steps (weights, gradients, optimizer state, code: 126 MiB for a
@@ -160,6 +160,7 @@ class HeldMemory:
 
     def __init__(self, libc: ctypes.CDLL, baseline: int):
         self._libc, self._baseline = libc, baseline
+        self.taken = False  # whether a step was read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="held-memory", daemon=True)
 
@@ -183,6 +184,7 @@ class HeldMemory:
         self._stop.set()
         self._thread.join()
         self.top = max(self.top, self._in_use())
+        self.taken = True
 
     def peak(self, timed: MemoryPeak) -> MemoryPeak:
         """`timed` (the timed steps' reading) with its allocated figure from this step."""
