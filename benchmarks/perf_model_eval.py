@@ -5,16 +5,13 @@ each config's repeats) and predict every other config of the table. Reports, as 
 seeds: Spearman rank correlation of predicted and measured tokens/s, median |predicted/measured
 - 1|, and how often the measured value falls in the predicted 90% interval.
 
-`--history OTHER.csv` gives each fit every measured config of another model's table on the same
-machine as history, as a study's model sampler and `tuner plan` give it the trials of every
-earlier study of another model on the machine's fingerprint: fitted on their own, they set the
-fit's prior means (`Predictor.fit`).
-
-    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny.csv --seeds 30 --train 5
-    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-llama-tiny.csv --train 5 \
-        --history benchmarks/tables/cpu-gpt-tiny.csv
+    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny-2.csv --seeds 30 --train 5
     python benchmarks/perf_model_eval.py TABLE.csv --train 5 --json
-    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny.csv --residuals
+
+(Until commit ec82317, `--history OTHER.csv` also gave each fit another model's table as the prior
+means, as studies then did with other models' trials on the machine; BENCHMARKS section 11 has
+why that was dropped.)
+    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny-2.csv --residuals
 
 `--residuals` fits every config of the table instead and reports what the model form cannot
 explain: the in-sample median error, the coefficients that moved furthest from their priors (in
@@ -78,9 +75,8 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def evaluate(path: str, seeds: int, train: int, history: str | None = None) -> dict:
+def evaluate(path: str, seeds: int, train: int) -> dict:
     recipe, rows = table_observations(path)
-    earlier = [obs for obs, _ in table_observations(history)[1]] if history else []
     device = describe("cpu")
     predictor = Predictor(device, priors_of(path))
     configs = [o.config for o, _ in rows]
@@ -94,7 +90,7 @@ def evaluate(path: str, seeds: int, train: int, history: str | None = None) -> d
         for i in picked:
             obs, runs = rows[i]
             fitted.append(Observation(**{**obs.__dict__, "tokens_per_s": rng.choice(runs)}))
-        predictor.fit(fitted, history=earlier)
+        predictor.fit(fitted)
         p = predictor.predict(recipe, configs, cached)
         rest = np.array([i for i in range(len(rows)) if i not in set(picked)])
         pred, low, high, true = p.tokens_per_s[rest], p.tokens_low[rest], p.tokens_high[rest], truth[rest]
@@ -106,8 +102,6 @@ def evaluate(path: str, seeds: int, train: int, history: str | None = None) -> d
             }
         )
     out = {"table": Path(path).name, "seeds": seeds, "train": train, "configs": len(rows)}
-    if history:
-        out["history"] = f"{Path(history).name} ({len(earlier)} configs)"
     for k in per_seed[0]:
         out[k] = round(statistics.median(s[k] for s in per_seed), 4)
     return out
@@ -158,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("table", help="CSV written by benchmarks/make_table.py")
     ap.add_argument("--seeds", type=int, default=30)
     ap.add_argument("--train", type=int, default=5, help="measured configs the model is fitted to")
-    ap.add_argument("--history", help="another table of this machine whose configs every fit also sees")
     ap.add_argument("--residuals", action="store_true", help="fit every config; report what the model misses")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -166,14 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         out = residuals(args.table)
         print(json.dumps(out, indent=None if args.json else 1))
         return 0
-    result = evaluate(args.table, args.seeds, args.train, args.history)
+    result = evaluate(args.table, args.seeds, args.train)
     if args.json:
         print(json.dumps(result))
     else:
         print(
-            f"{result['table']}: fitted to {args.train} of {result['configs']} configs"
-            + (f" and {result['history']}" if args.history else "")
-            + f", median over "
+            f"{result['table']}: fitted to {args.train} of {result['configs']} configs, median over "
             f"{args.seeds} seeds: Spearman {result['spearman']:.2f}, median |error| "
             f"{result['median_abs_error']:.1%}, 90% interval coverage {result['coverage_90']:.0%}"
         )

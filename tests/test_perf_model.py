@@ -278,26 +278,43 @@ def _first_misses(url: str, study_name: str, n: int) -> list[float]:
     ]
 
 
-def test_a_study_starts_from_what_earlier_studies_measured_on_the_machine(tmp_path, priors):
-    """The model sampler starts from the earlier studies on the fingerprint (another model's
-    trials, fitted on their own, set its prior means), so a second study's first predictions are
-    close, where a study on a fresh database starts from the device priors (off by design here)."""
+def _first_predictions(url: str, study_name: str, n: int) -> list[float]:
+    study = optuna.load_study(study_name=study_name, storage=url)
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    return [t.user_attrs[keys.PREDICTED_TOKENS_PER_S] for t in done[:n]]
+
+
+def _named(url: str, part: str) -> str:
+    return next(n for n in optuna.get_all_study_names(url) if part in n)
+
+
+def test_a_study_fits_what_earlier_studies_of_its_model_measured_and_no_other_models(tmp_path, priors):
+    """An earlier study of the same model on the fingerprint (another name, another search) is
+    more data for the model sampler, so a second study's first predictions are close, where a
+    study on a fresh database starts from the device priors (off by design here). Another model's
+    trials change nothing: as prior means they made real predictions worse (BENCHMARKS section 11)."""
     first = recipe_from_dict(tiny())
+    doc = tiny()
+    doc["name"] = "perf-again"
+    doc["search"]["overrides"] = {**OVERRIDES, "micro_batch_size": [2, 4, 8]}
+    again = recipe_from_dict(doc)
     doc = tiny()
     doc["name"] = "perf-wider"
     doc["model"] = {**doc["model"], "layers": 6, "hidden": 192, "heads": 6}
-    second = recipe_from_dict(doc)
-    shared = f"sqlite:///{tmp_path}/shared.db"
+    wider = recipe_from_dict(doc)
+    shared, fresh = f"sqlite:///{tmp_path}/shared.db", f"sqlite:///{tmp_path}/fresh.db"
     _study(first, shared, tmp_path / "a", trials=10)
-    _study(second, shared, tmp_path / "b", trials=4)
-    fresh = f"sqlite:///{tmp_path}/fresh.db"
-    _study(second, fresh, tmp_path / "c", trials=4)
-    name = next(n for n in optuna.get_all_study_names(shared) if "wider" in n)
-    informed = _first_misses(shared, name, 3)
-    cold = _first_misses(fresh, optuna.get_all_study_names(fresh)[0], 3)
+    _study(again, shared, tmp_path / "b", trials=4)
+    _study(again, fresh, tmp_path / "c", trials=4)
+    informed = _first_misses(shared, _named(shared, "again"), 3)
+    cold = _first_misses(fresh, _named(fresh, "again"), 3)
     assert len(informed) == len(cold) == 3
     # The synthetic device answers with 3% noise: an informed model misses by about that.
     assert max(informed) < 0.12 and np.median(cold) > 2 * np.median(informed), (informed, cold)
+    _study(wider, shared, tmp_path / "d", trials=3)
+    _study(wider, fresh, tmp_path / "e", trials=3)
+    beside_others = _first_predictions(shared, _named(shared, "wider"), 3)
+    assert beside_others == pytest.approx(_first_predictions(fresh, _named(fresh, "wider"), 3))
 
 
 def _median_error(plan, recipe, measured_keys: set[str]) -> float:

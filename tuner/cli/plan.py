@@ -11,7 +11,7 @@ from tuner.cli.common import fail, load_recipe_or_exit, storage_or_exit
 
 PLAN_HELP = """Rank every feasible config of RECIPE by predicted tokens/s, without running any.
 
-The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to the trials of this model measured on this machine's fingerprint in the database, starting from what other models' trials there fit, or from the device table's priors when there are none. Each row has a 90% interval and the chance it fits the memory budget. With --devices beyond this machine, the plan extrapolates and says so.
+The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to the trials of this model measured on this machine's fingerprint in the database, starting from the device table's priors (the priors alone when there are none). Each row has a 90% interval and the chance it fits the memory budget. With --devices beyond this machine, the plan extrapolates and says so.
 
 \b
 Examples:

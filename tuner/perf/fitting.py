@@ -73,15 +73,11 @@ def fit(
     rel_sd: np.ndarray,
     priors: DevicePriors,
     start: Fit | None = None,
-    centre: np.ndarray | None = None,
 ) -> Fit:
     """MAP coefficients for measured log step times `log_step` (rows of `f`), each with a
     measurement sd `rel_sd` (relative, from its interval or spread) on top of the misfit.
-    `start` (an earlier fit, e.g. before the latest trial) only speeds up the search. `centre`
-    replaces the prior means (coefficients fitted to other models on this machine)."""
+    `start` (an earlier fit, e.g. before the latest trial) only speeds up the search."""
     mu, sd = prior(priors)
-    if centre is not None:
-        mu = np.asarray(centre, dtype=float).copy()
     lam = 1.0 / sd**2
     theta, sigma = (mu.copy(), NOISE_PRIOR) if start is None else (start.theta.copy(), start.sigma)
     n = len(log_step)

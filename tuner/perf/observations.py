@@ -1,6 +1,6 @@
 """Measured trials as the performance model's data: one `Observation` per trial that ran (ok or
-out of memory), read from a study or from every study on the same fingerprint, each weighed by
-how tightly its step time was measured."""
+out of memory), read from a study or from every study of the same model on the same fingerprint,
+each weighed by how tightly its step time was measured."""
 
 from __future__ import annotations
 
@@ -86,24 +86,27 @@ def study_observations(recipe: Recipe, trials: list[Any]) -> list[Observation]:
     return out
 
 
-def by_model(
-    observations: Sequence[Observation], recipe: Recipe
-) -> tuple[list[Observation], list[Observation]]:
-    """(the observations of `recipe`'s model, the others'): the same model and training setup on
-    any devices and search fit one step-time model; another model's trials only set its priors
-    (`Predictor.fit`'s history)."""
-    same, other = [], []
-    for o in observations:
-        (same if o.recipe.model == recipe.model and o.recipe.train == recipe.train else other).append(o)
-    return same, other
+def one_model(a: Recipe, b: Recipe) -> bool:
+    """Whether two recipes train the same model with the same training setup, on any devices and
+    search: then one step-time model describes the trials of both."""
+    return a.model == b.model and a.train == b.train
+
+
+def same_model(observations: Sequence[Observation], recipe: Recipe) -> list[Observation]:
+    """The observations of `recipe`'s model (`one_model`). Another model's trials are left out.
+    Fitted on their own and used as the prior means (the first design), they made every
+    prediction worse once the device priors were near the machine: on the re-measured tables, 5
+    trials of llama-tiny missed by 14.1% with the gpt-tiny table as that history against 10.8%
+    without, gpt-tiny by 20.4% against 18.5% (BENCHMARKS section 11). Another model's fitted
+    coefficients trade compute against memory and links in its own way: no prior for this one."""
+    return [o for o in observations if one_model(o.recipe, recipe)]
 
 
 def fingerprint_observations(
-    url: str, fingerprint_hash: str, exclude: str | None = None
+    url: str, fingerprint_hash: str, recipe: Recipe, exclude: str | None = None
 ) -> list[Observation]:
-    """Every measured trial of every study on this fingerprint (but the study named `exclude`),
-    any recipe: the model's coefficients describe the device, so a different model's trials
-    still teach it."""
+    """Every measured trial of `recipe`'s model (`same_model`) in every study on this fingerprint
+    but the study named `exclude`. Studies of other models are not read."""
     import optuna
 
     from tuner.db import session_scope
@@ -118,9 +121,11 @@ def fingerprint_observations(
         if attrs.get(keys.FINGERPRINT_HASH) != fingerprint_hash or name == exclude:
             continue
         try:
-            recipe = recipe_from_dict(attrs.get(keys.RECIPE) or {})
+            theirs = recipe_from_dict(attrs.get(keys.RECIPE) or {})
         except (RecipeError, ValueError, TypeError):
             continue  # a study written by another version
+        if not one_model(theirs, recipe):
+            continue
         study = optuna.load_study(study_name=name, storage=storage)
-        out.extend(study_observations(recipe, study.get_trials(deepcopy=False)))
+        out.extend(study_observations(theirs, study.get_trials(deepcopy=False)))
     return out

@@ -15,7 +15,7 @@ from tuner.config import Config
 from tuner.devices import DeviceInfo, describe, resolve_family
 from tuner.estimate import reserved_ratio_prior
 from tuner.perf.candidates import candidates
-from tuner.perf.observations import Observation, by_model, fingerprint_observations
+from tuner.perf.observations import Observation, fingerprint_observations, same_model
 from tuner.perf.predictor import Predicted, Predictor
 from tuner.perf.priors import DevicePriors, device_priors
 from tuner.prune import calibration_factor, verdict
@@ -129,12 +129,13 @@ def ranked_plan(
         raise PlanError("search.space", str(err)) from None
     if not space.splits(n):
         raise PlanError("devices", f"no dp*tp*pp split of the search space multiplies to {n}")
-    if observations is None:
-        observations = _stored(storage_url, family) if storage_url else []
     target = _for_devices(recipe, n)
+    if observations is None:
+        observations = _stored(storage_url, family, target) if storage_url else []
+    observations = same_model(observations, target)
     # Feasibility counts the devices asked for, not this machine's: a plan may go beyond it.
     wide = dataclasses.replace(device, count=max(device.count, n))
-    predictor = Predictor(device, priors or device_priors(device)).fit(*by_model(observations, target))
+    predictor = Predictor(device, priors or device_priors(device)).fit(observations)
     same = [o for o in observations if o.recipe.hash() == target.hash() and o.peak_mem_bytes]
     pairs = [(o.peak_mem_bytes, o.estimated_peak_mem_bytes) for o in same]
     calibration = calibration_factor(pairs, prior=reserved_ratio_prior(device.family))
@@ -166,10 +167,10 @@ def ranked_plan(
     return plan, order
 
 
-def _stored(url: str, family: str) -> list[Observation]:
+def _stored(url: str, family: str, recipe: Recipe) -> list[Observation]:
     from tuner.fingerprint import fingerprint, fingerprint_hash
 
-    return fingerprint_observations(url, fingerprint_hash(fingerprint(family)))
+    return fingerprint_observations(url, fingerprint_hash(fingerprint(family)), recipe)
 
 
 def _order(predictor: Predictor, recipe: Recipe, pool: list[Config], cached) -> PlanOrder:
@@ -206,9 +207,12 @@ def _rows(order: PlanOrder, same: list[Observation], top: int) -> list[PlanRow]:
 
 def _basis(observations: list[Observation], n: int, device: DeviceInfo, measured_ranks: int) -> str:
     if not observations:
-        head = "device-table priors only (no measured trial on this machine's fingerprint)"
+        head = "device-table priors only (no measured trial of this model on this machine's fingerprint)"
     else:
-        head = f"fitted to {len(observations)} measured trials on this fingerprint (up to {measured_ranks} ranks)"
+        head = (
+            f"fitted to {len(observations)} measured trials of this model on this fingerprint "
+            f"(up to {measured_ranks} ranks)"
+        )
     if n > device.count:
         return f"{head}; a prediction for {n} devices, beyond this machine's {device.count}"
     if observations and n > measured_ranks:

@@ -57,7 +57,6 @@ class Predictor:
         self.time_fit: Fit = fit(*self._data([]), self.priors)
         self.memory = MemoryModel(prior_ratio=reserved_ratio_prior(device.family))
         self.observations: list[Observation] = []
-        self._history: tuple[Sequence[Observation], Fit] | None = None
 
     def _data(self, obs: Sequence[Observation]) -> tuple[Features, np.ndarray, np.ndarray]:
         works = [step_work(o.recipe, o.config, self.device) for o in obs]
@@ -65,27 +64,14 @@ class Predictor:
         y = np.array([math.log(o.step_time_s) for o in obs])
         return f, y, np.array([o.rel_sd for o in obs])
 
-    def _history_fit(self, history: Sequence[Observation]) -> Fit:
-        """The step-time model fitted to `history` alone, once per history: a study refits against
-        the same one after every trial."""
-        if self._history is None or self._history[0] is not history:
-            self._history = (history, fit(*self._data([o for o in history if o.tokens_per_s]), self.priors))
-        return self._history[1]
-
-    def fit(self, observations: Sequence[Observation], history: Sequence[Observation] = ()) -> Predictor:
-        """Fit to `observations` (this model's trials). `history`, measured trials of OTHER models
-        on the same machine, is fitted on its own and sets where this fit starts: its coefficients
-        become the prior means, with the device table's spreads. Pooling them with this model's
-        trials instead made it worse, not better: each model has its own level (the CPU's matmul
-        efficiency fits at 1.22 of the measured peak on gpt-tiny, 0.69 on llama-tiny), and with 5
-        own trials against 234 earlier ones the fit keeps the other model's level (BENCHMARKS
-        section 11: median error 82% against 15% without history, 14% with it as the prior).
-        The memory ratio is this model's own: it depends on the model's allocation pattern."""
+    def fit(self, observations: Sequence[Observation]) -> Predictor:
+        """Fit to `observations`, trials of one model (`observations.same_model`), starting from the
+        device priors. The memory ratio is this model's own: it depends on the model's allocation
+        pattern."""
         self.observations = list(observations)
         start = self.time_fit if self.time_fit.n else None
-        centre = self._history_fit(history).theta if history else None
         data = self._data([o for o in observations if o.tokens_per_s])
-        self.time_fit = fit(*data, self.priors, start, centre=centre)
+        self.time_fit = fit(*data, self.priors, start)
         self.memory = MemoryModel(observations, reserved_ratio_prior(self.device.family))
         return self
 

@@ -84,6 +84,5 @@ def device_priors(device: DeviceInfo) -> DevicePriors:
     # group larger than this machine's devices crosses nodes.
     node = device.count if device.family != "cpu" else 1 << 30
     return DevicePriors(
-        device.family, eff, half, peaks, bw, lat, host, node, cross, cores, mem_bandwidth=mem_bw,
-        p2p_latency=p2p,
+        device.family, eff, half, peaks, bw, lat, host, node, cross, cores, mem_bw, p2p_latency=p2p
     )

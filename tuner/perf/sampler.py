@@ -19,7 +19,7 @@ from tuner.config import Config, ConfigError
 from tuner.devices import DeviceInfo
 from tuner.perf.candidates import candidates
 from tuner.perf.model import Features
-from tuner.perf.observations import Observation, by_model, study_observations
+from tuner.perf.observations import Observation, study_observations
 from tuner.perf.predictor import Predictor
 from tuner.perf.priors import DevicePriors
 from tuner.prune import oom_floor, study_calibration, verdict
@@ -46,9 +46,8 @@ class SamplerContext:
     recipe: Recipe
     space: SearchSpace
     device: DeviceInfo
-    # Measured trials of earlier studies on this machine's fingerprint (any recipe): a study on a
-    # machine that was tuned before starts from what that machine measured rather than from the
-    # device table's priors alone (`Predictor.fit`: this model's trials are data, others' priors).
+    # Measured trials of earlier studies of this model on this machine's fingerprint
+    # (`observations.fingerprint_observations`): more of its trials, fitted with the study's own.
     history: tuple[Observation, ...] = ()
 
 
@@ -76,8 +75,6 @@ class ModelSampler(optuna.samplers.BaseSampler):
         self.context = context
         self.seed = seed
         self.predictor = Predictor(context.device, priors)
-        # Earlier studies of this model are more of its trials; other models' set the priors.
-        self._earlier, self._others = by_model(context.history, context.recipe)
         self._tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
         self._choice: dict[int, Config] = {}
         self._fitted_on: int | None = None
@@ -133,7 +130,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
         finished = sum(t.state.is_finished() for t in trials)
         if finished != self._fitted_on:
             own = study_observations(self.context.recipe, trials)
-            self.predictor.fit([*self._earlier, *own], self._others)
+            self.predictor.fit([*self.context.history, *own])
             self._fitted_on = finished
 
     def _missing(self, trials: list[FrozenTrial]) -> bool:

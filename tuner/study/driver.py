@@ -107,10 +107,11 @@ class Driver:
             study_name=self.name, storage=self.storage, directions=directions, load_if_exists=True
         )
         n_before = len(probe.get_trials(deepcopy=False))
-        # The model sampler starts from what earlier studies measured on this machine.
+        # The model sampler also fits what earlier studies of this model measured on this machine.
         history = ()
         if self.budget.sampler == "model":
-            history = tuple(fingerprint_observations(self.url, fingerprint_hash(self.fp), exclude=self.name))
+            fp = fingerprint_hash(self.fp)
+            history = tuple(fingerprint_observations(self.url, fp, self.recipe, exclude=self.name))
         context = SamplerContext(self.recipe, self.space, self.device, history)
         # Offset the seed by the trials so far so a resumed random/grid search does not replay itself.
         sampler = make_sampler(self.budget.sampler, self.budget.seed + n_before, self.multi, context)
