@@ -3,7 +3,8 @@
 CPU has no allocator view in torch, so a CPU rank reads its resident set twice: the trial's
 high-water mark is its `reserved` (glibc's retained heap included), and one untimed step (the
 second warm-up step, or one after the timed steps when the warm-up is shorter), with the heap
-trimmed and malloc's in-use bytes sampled, gives its `allocated` (`HeldMemory`). docs/DESIGN.md, "CPU memory", has the numbers behind the split.
+trimmed and malloc's in-use bytes sampled, gives its `allocated` (`HeldMemory`).
+docs/DESIGN.md, "CPU memory", has the numbers behind the split.
 """
 
 from __future__ import annotations

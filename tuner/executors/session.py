@@ -69,6 +69,11 @@ def kill_session(sid: int, leader: subprocess.Popen | None = None) -> None:
             leader.kill()
             leader.wait()
     _signal_all(session_pids(sid), signal.SIGKILL)
+    # A killed process lives on until the kernel has torn it down (its memory, its sockets): wait
+    # for that too, so that nothing of the trial is running when this returns.
+    end = time.monotonic() + TERM_GRACE_S
+    while time.monotonic() < end and session_pids(sid):
+        time.sleep(0.02)
 
 
 def signal_name(returncode: int) -> str:

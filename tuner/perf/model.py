@@ -36,8 +36,8 @@ PHYSICAL = (
     Coef("log_mem_bandwidth", 1.0),  # what memory-bound kernels reach (bytes/s)
     # A pipeline's point-to-point send or receive: one message to one peer, no reduction and no
     # rendezvous of the whole group, so far cheaper than a collective (gloo on this project's
-    # CPUs: 0.04 ms against 0.7-4 ms for a small all-reduce). One latency for both left pp=2
-    # configs 7-21% slower than modelled (BENCHMARKS section 11).
+    # CPUs: 0.04 ms against 0.7-4 ms for a small all-reduce). With one latency for both, pp=2
+    # configs ran 7-21% faster than modelled (BENCHMARKS section 11).
     Coef("log_p2p_latency", 2.0),
 )
 
