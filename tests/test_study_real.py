@@ -23,7 +23,7 @@ from optuna.trial import TrialState
 
 from tuner.config import Config
 from tuner.devices import describe
-from tuner.estimate import estimate
+from tuner.estimate import estimate, reserved_ratio_prior
 from tuner.executors.local import LocalExecutor
 from tuner.prune import OOM_MARGIN, verdict
 from tuner.recipe import recipe_from_dict
@@ -60,11 +60,16 @@ def recipe_doc(name: str, micro_batch_sizes: list[int], budget_gb: float | None,
 
 
 def budget_between(recipe, fits: Config, too_big: Config) -> float:
-    """A memory budget (GiB) the estimator says `fits` stays well under (the executor fails a
-    trial whose measured peak exceeds it) and `too_big` exceeds by more than the margin."""
-    est_fits, est_big = (estimate(recipe, c, CPU).peak_mem_bytes for c in (fits, too_big))
+    """A memory budget (GiB) that prunes `too_big` before it runs and that `fits` stays well under
+    when it really runs. Both sides scale the estimate as a study starts, by the device's
+    reserved/allocated prior: the executor fails a trial whose measured reserved peak (on CPU the
+    resident set's growth, glibc's retained heap included) exceeds the budget, and that reading is
+    about the prior times the estimate, so a budget placed against the bare estimate left
+    micro-batch 8 within 3% of it and it ran out of memory in one CI run of three."""
+    prior = reserved_ratio_prior(CPU.family)
+    est_fits, est_big = (estimate(recipe, c, CPU).peak_mem_bytes * prior for c in (fits, too_big))
     budget = est_big / (1 + OOM_MARGIN) * 0.97
-    assert est_fits < budget * 0.9, "the two configs are too close in memory for this test"
+    assert est_fits < budget * 0.8, "the two configs are too close in memory for this test"
     return budget / 2**30
 
 
