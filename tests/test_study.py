@@ -13,6 +13,7 @@ import time
 
 import optuna
 import pytest
+from budgets import budget_between
 from optuna.trial import TrialState
 
 from tuner.config import Config, infeasible_reasons
@@ -184,20 +185,14 @@ def test_conditional_knobs_are_absent_from_params_when_they_do_not_apply(tune, u
         assert ("amp_dtype" in p) == (p["amp"] != "O0")
 
 
-def budget_between(recipe, fits: Config, too_big: Config) -> float:
-    """A memory budget (GiB) the estimator says `fits` stays under and `too_big` exceeds, scaled
-    as a study starts: by the device's reserved/allocated prior."""
-    prior = reserved_ratio_prior(CPU.family)
-    est_fits, est_big = (estimate(recipe, c, CPU).peak_mem_bytes * prior for c in (fits, too_big))
-    budget = est_big / (1 + OOM_MARGIN) * 0.97
-    assert est_fits < budget * (1 + OOM_MARGIN) * 0.97, "the configs are too close in memory for this test"
-    return budget / 2**30
-
-
 def test_predicted_oom_configs_are_pruned_before_the_executor(tune, url):
     recipe = make_recipe("oom", overrides={**NARROW, "micro_batch_size": [4, 8]})
     small, big = (Config(micro_batch_size=m, dp=2, amp="O1", attention="flash") for m in (4, 8))
-    hardware = {"device": "cpu", "devices": 2, "memory_budget_gb": budget_between(recipe, small, big)}
+    hardware = {
+        "device": "cpu",
+        "devices": 2,
+        "memory_budget_gb": budget_between(recipe, small, big, fits_under=(1 + OOM_MARGIN) * 0.97),
+    }
     recipe = recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update=hardware)})
     ex = FakeExecutor()
     summary = tune(recipe, ex, trials=6)

@@ -19,13 +19,13 @@ import uuid
 import optuna
 import pytest
 import yaml
+from budgets import budget_between
 from optuna.trial import TrialState
 
 from tuner.config import Config
 from tuner.devices import describe
-from tuner.estimate import estimate, reserved_ratio_prior
 from tuner.executors.local import LocalExecutor
-from tuner.prune import OOM_MARGIN, verdict
+from tuner.prune import verdict
 from tuner.recipe import recipe_from_dict
 from tuner.record.keys import OWNER as OWNER_KEY
 from tuner.study import run_study
@@ -59,20 +59,6 @@ def recipe_doc(name: str, micro_batch_sizes: list[int], budget_gb: float | None,
     }
 
 
-def budget_between(recipe, fits: Config, too_big: Config) -> float:
-    """A memory budget (GiB) that prunes `too_big` before it runs and that `fits` stays well under
-    when it really runs. Both sides scale the estimate as a study starts, by the device's
-    reserved/allocated prior: the executor fails a trial whose measured reserved peak (on CPU the
-    resident set's growth, glibc's retained heap included) exceeds the budget, and that reading is
-    about the prior times the estimate, so a budget placed against the bare estimate left
-    micro-batch 8 within 3% of it and it ran out of memory in one CI run of three."""
-    prior = reserved_ratio_prior(CPU.family)
-    est_fits, est_big = (estimate(recipe, c, CPU).peak_mem_bytes * prior for c in (fits, too_big))
-    budget = est_big / (1 + OOM_MARGIN) * 0.97
-    assert est_fits < budget * 0.8, "the two configs are too close in memory for this test"
-    return budget / 2**30
-
-
 class CountingExecutor(LocalExecutor):
     """The real LocalExecutor, remembering every spec that reached it."""
 
@@ -92,7 +78,7 @@ def test_real_study_on_postgres_prunes_predicted_oom_and_another_process_reads_i
     # 16 (pruned) and 8 again (a duplicate), so one device run does it all.
     doc = recipe_doc("real", [8, 16], None, seed=0)
     small, big = (Config(micro_batch_size=m, dp=2, amp="O1", attention="flash") for m in (8, 16))
-    doc["hardware"]["memory_budget_gb"] = budget_between(recipe_from_dict(doc), small, big)
+    doc["hardware"]["memory_budget_gb"] = budget_between(recipe_from_dict(doc), small, big, fits_under=0.8)
     recipe = recipe_from_dict(doc)
     ex = CountingExecutor()
     try:
