@@ -3,6 +3,7 @@ capabilities, peak FLOP/s and the CPU peak-memory reading."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import types
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from tuner import devices, memory
+from tuner.fingerprint import fingerprint
 
 
 @pytest.fixture
@@ -86,6 +88,33 @@ def test_cpu_peak_is_measured_and_cached(tmp_path, monkeypatch):
     assert 0.001 < first < 50  # a real matmul on one core: GFLOP/s to a few TFLOP/s
     assert (tmp_path / "peak_tflops.json").exists()
     assert devices.peak_tflops(info, "fp32", threads=1) == first  # cached, not re-measured
+
+
+ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nstepping\t: 1\n\nprocessor\t: 1\nmodel\t\t: 99\n"
+ZEN5 = ZEN4.replace("cpu family\t: 25", "cpu family\t: 26").replace("model\t\t: 17", "model\t\t: 2")
+NEOVERSE = "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n"
+
+
+def test_cpu_model_id_tells_hosts_apart_that_share_a_generic_name():
+    assert devices.cpu_model_id(ZEN4) == "vendor_id=AuthenticAMD cpu_family=25 model=17 stepping=1"
+    assert devices.cpu_model_id(ZEN5) != devices.cpu_model_id(ZEN4)  # both say "AMD EPYC"
+    assert devices.cpu_model_id(NEOVERSE) == "CPU_implementer=0x41 CPU_part=0xd0c"
+    assert devices.cpu_model_id("") == ""
+
+
+def test_cpu_peak_cached_by_another_cpu_model_of_the_same_name_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(tmp_path))
+    info = devices.describe("cpu")
+    cache = tmp_path / "peak_tflops.json"
+    with monkeypatch.context() as other_host:
+        other_host.setattr(devices, "cpu_model_id", lambda: "vendor_id=AuthenticAMD cpu_family=26 model=2")
+        devices.peak_tflops(info, "fp32", threads=1)
+        # That host's reading, made one no CPU core reaches, stays that host's.
+        cache.write_text(json.dumps({key: 99.0 for key in json.loads(cache.read_text())}))
+        assert devices.peak_tflops(info, "fp32", threads=1) == 99.0
+    assert devices.peak_tflops(info, "fp32", threads=1) < 50  # this machine's model: measured
+    assert len(json.loads(cache.read_text())) == 2
+    assert fingerprint("cpu")["cpu_model"] == devices.cpu_model_id()
 
 
 def test_cpu_peak_memory_counts_resident_growth():

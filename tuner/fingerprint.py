@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import tuner
-from tuner.devices import _cpu_name, describe
+from tuner.devices import _cpu_name, cpu_model_id, describe
 
 
 def _nvidia_driver() -> str | None:
@@ -38,6 +38,7 @@ def fingerprint(family: str) -> dict[str, Any]:
         "device": info.name,
         "device_count": info.count,
         "cpu": _cpu_name(),
+        "cpu_model": cpu_model_id(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "tuner": tuner.__version__,
