@@ -4,6 +4,7 @@ measurement's interval covers its re-measurements, and the spread of one config 
 
     python benchmarks/measurement.py studies recipes/gpt-tiny.yaml --trials 12 --json out.json
     python benchmarks/measurement.py studies recipes/gpt-tiny.yaml --trials 12 --conditions local-warm --remeasure-top 6 --rounds 3
+    python benchmarks/measurement.py studies recipes/gpt-tiny.yaml --trials 12 --conditions ray-before ray-warm --same-configs
     python benchmarks/measurement.py repeat recipes/gpt-tiny.yaml --times 5
     python benchmarks/measurement.py repeat recipes/gpt-tiny.yaml --times 5 --set cpu_affinity=per_rank
     python benchmarks/measurement.py pair recipes/gpt-tiny.yaml --repeats 2
@@ -16,6 +17,9 @@ measurement's interval covers its re-measurements, and the spread of one config 
 - ray-before: the measurement as it was, on Ray (the cold start's overhead on Ray);
 - local-cold / ray-cold: adaptive measurement, cold start (not in the default set: `before` and
   `ray-before` give the cold start's overhead with the same 2 warm-up steps in less time).
+Each condition's search takes its own path (what it measured steers its sampler), so two may run
+different configs: a few compiled ones cost seconds each. `--same-configs` makes every later
+condition run the first condition's device runs first, in the same order.
 Other work on the machine inflates every number: compare the rows of one run, and note the load
 average printed with each.
 """
@@ -91,16 +95,23 @@ def start_cpu_s(workdir: str) -> float | None:
 
 
 def run_condition(
-    recipe, name: str, trials: int, seed: int, top: int | None = None, rounds: int | None = None
+    recipe,
+    name: str,
+    trials: int,
+    seed: int,
+    top: int | None = None,
+    rounds: int | None = None,
+    enqueue: tuple = (),
 ) -> dict[str, Any]:
     """One study under condition `name`; `top` and `rounds` replace its re-measured configs and
-    re-measurement rounds (more pairs for the coverage figure)."""
+    re-measurement rounds (more pairs for the coverage figure); `enqueue` configs run first."""
     import optuna
 
     import tuner.study.remeasure as remeasure
     from tuner.cli.tune import _preflight
     from tuner.executors import make_executor
     from tuner.record import keys
+    from tuner.space import config_from_params
     from tuner.study import run_study
 
     kind, warm_on, adaptive, default_top = CONDITIONS[name]
@@ -126,10 +137,12 @@ def run_condition(
             seed=seed,
             remeasure_top=top,
             workdir=tmp,
+            enqueue=enqueue,
         )
     wall = time.monotonic() - t0
     study = optuna.load_study(study_name=summary.study_name, storage=url)
-    ran = [t.user_attrs for t in study.get_trials(deepcopy=False) if t.user_attrs.get(keys.WALL_S)]
+    ran_trials = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(keys.WALL_S)]
+    ran = [t.user_attrs for t in ran_trials]
     ok = [a for a in ran if a.get(keys.MEASURED_S)]
     overhead = [a[keys.WALL_S] - a[keys.MEASURED_S] for a in ok]
     device_s = sum(a.get(keys.DEVICE_SECONDS) or 0.0 for a in ran)
@@ -161,14 +174,17 @@ def run_condition(
         "best_tokens_per_s": summary.best.tokens_per_s if summary.best else None,
         "tie": bool(summary.tie),
         "load_avg_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        "configs": [config_from_params(t.params).to_dict() for t in ran_trials],
     }
 
 
 def studies(args) -> list[dict[str, Any]]:
+    from tuner.config import Config
     from tuner.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     rows = []
+    same: tuple = ()
     for name in args.conditions:
         if CONDITIONS[name][0] == "ray":
             import ray
@@ -178,8 +194,12 @@ def studies(args) -> list[dict[str, Any]]:
                     address="local", num_cpus=args.ray_cpus, include_dashboard=False, logging_level="ERROR"
                 )
         print(f"== {name}", file=sys.stderr, flush=True)
-        rows.append(run_condition(recipe, name, args.trials, args.seed, args.remeasure_top, args.rounds))
+        rows.append(
+            run_condition(recipe, name, args.trials, args.seed, args.remeasure_top, args.rounds, same)
+        )
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.same_configs and not same:  # the first condition's device runs, in their order
+            same = tuple(Config.from_params(c) for c in rows[-1]["configs"])
     return rows
 
 
@@ -257,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--rounds", type=int, help="re-measurement rounds (default: 2 adaptive, 1 before)")
     s.add_argument("--conditions", nargs="+", default=list(DEFAULT), choices=list(CONDITIONS))
     s.add_argument("--json", help="also write the rows to this file")
+    s.add_argument(
+        "--same-configs",
+        action="store_true",
+        help="later conditions run the first one's configs first, in its order: device time "
+        "compared on the same trials rather than on each search's own path",
+    )
     r = sub.add_parser("repeat", help="one config measured several times with `tuner measure`")
     r.add_argument("recipe")
     r.add_argument("--times", type=int, default=5)
