@@ -11,7 +11,9 @@ from sqlalchemy.orm import Session
 from tuner.db import NightlyResult
 
 # The fingerprint keys people look at first when throughput moves; the rest follow.
-WATCHED = ("torch", "driver", "device", "cuda", "torch_npu", "device_count", "family", "capability")
+WATCHED = (
+    "torch", "driver", "device", "cpu_model", "cuda", "torch_npu", "device_count", "family", "capability",
+)  # fmt: skip
 MAX_NIGHTS = 400
 
 
