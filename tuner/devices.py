@@ -90,13 +90,19 @@ def resolve_family(requested: str = "auto") -> str:
     return requested
 
 
-def _cpu_name() -> str:
+@functools.cache
+def _cpuinfo() -> str:
+    """/proc/cpuinfo, read once per process ("" where there is none): the CPU cannot change."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        return ""
+
+
+def _cpu_name() -> str:
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
@@ -107,13 +113,8 @@ def cpu_model_id(cpuinfo: str | None = None) -> str:
     project ran one thread's bf16 matmul at 210 and 473 GFLOP/s and the same pp=2 config 1.5x
     apart, so the name alone must not key measurements or the cached peak."""
     keys = ("vendor_id", "cpu family", "model", "stepping", "CPU implementer", "CPU part")
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ""
     found: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         if not line.strip() and found:
             break  # the first processor's block is enough: the others are the same model
         key, sep, value = line.partition(":")
