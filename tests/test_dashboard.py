@@ -564,3 +564,31 @@ def test_the_cached_study_sees_a_running_trial_finish_and_a_new_trial_appear(tmp
     with session_scope(url) as s:
         third = read_study(s, "live")
         assert len(third.trials) == 35 and third is not second
+
+
+def test_a_re_measurement_appended_to_a_trials_list_reaches_the_ranking(tmp_path):
+    """A second re-measurement updates its study attribute in place (the count of attributes
+    stays): the cached study must still be re-read, or the winner is named from stale medians."""
+    import optuna
+    from seed import seed_study
+
+    from tuner.db import session_scope
+    from tuner.record import keys
+    from tuner.record.reader import read_study
+
+    url = f"sqlite:///{tmp_path / 'again.db'}"
+    seed_study(url, "again", 6, seed=3)
+    study = optuna.load_study(study_name="again", storage=url)
+    with session_scope(url) as s:
+        best = read_study(s, "again").ranking().best
+    key, slow = keys.remeasured_key(best.trial), best.tokens_per_s / 10
+    study.set_user_attr(key, [slow])
+    with session_scope(url) as s:
+        entry = next(e for e in read_study(s, "again").ranking().ranked if e.trial == best.trial)
+        assert entry.remeasured_tokens_per_s == [slow]
+    study.set_user_attr(key, [slow, slow])  # in place: the count of attributes stays
+    with session_scope(url) as s:
+        ranking = read_study(s, "again").ranking()
+        entry = next(e for e in ranking.ranked if e.trial == best.trial)
+        assert entry.remeasured_tokens_per_s == [slow, slow] and entry.tokens_per_s == slow
+        assert ranking.best.trial != best.trial

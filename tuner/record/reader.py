@@ -99,12 +99,12 @@ class StudyRecord:
     @property
     def remeasured(self) -> dict[int, list[float]]:
         """Each trial's re-measurements (study attrs: Optuna refuses to update finished trials)."""
-        p = keys.REMEASURED_PREFIX
-        return {
-            int(k[len(p) :]): v
-            for k, v in self.user_attrs.items()
-            if k.startswith(p) and k[len(p) :].isdigit()
-        }
+        return keys.per_trial(self.user_attrs, keys.REMEASURED_PREFIX)
+
+    @property
+    def remeasured_ci(self) -> dict[int, list[float]]:
+        """Each re-measurement's step interval, in the order of `remeasured`."""
+        return keys.per_trial(self.user_attrs, keys.REMEASURED_CI_PREFIX)
 
     def open_ids(self) -> list[int]:
         """Trial ids of the trials this version holds unfinished (the only ones that can change)."""
@@ -115,7 +115,9 @@ class StudyRecord:
     def ranking(self) -> Ranking:
         """`rank_trials` of this version of the study."""
         family = self.fingerprint.get("family")
-        return self.cached("ranking", lambda: rank_trials(self.trials, self.remeasured, family))
+        return self.cached(
+            "ranking", lambda: rank_trials(self.trials, self.remeasured, family, self.remeasured_ci)
+        )
 
     def cached(self, key: str, compute: Callable[[], Any]) -> Any:
         with self.lock:
@@ -205,9 +207,10 @@ def _state(state: Any) -> str:
 def study_version(session: Session, sid: int, open_ids: list[int]) -> tuple[Any, ...]:
     """What changes when a trial is added or one of the trials held unfinished (`open_ids`, see
     `StudyRecord.open_ids`) starts, finishes
-    or changes state, or the study's attributes change (a re-measurement adds one): its highest
-    trial id (read from the study's index), the state of each trial held unfinished (by primary
-    key), the study attribute count. Optuna never changes a finished trial, so this is enough,
+    or changes state, or the study's attributes change (a re-measurement adds one or grows one):
+    its highest trial id (read from the study's index), the state of each trial held unfinished
+    (by primary key), the study attributes' count and the length of their JSON together (an
+    attribute updated in place, a re-measurement appended to its trial's list, keeps the count). Optuna never changes a finished trial, so this is enough,
     and it costs the same for 10 trials as for 10,000 (a scan of the study was 17 ms there)."""
     top = session.scalar(select(func.max(trials_t.c.trial_id)).where(trials_t.c.study_id == sid))
     states: tuple[Any, ...] = ()
@@ -218,19 +221,21 @@ def study_version(session: Session, sid: int, open_ids: list[int]) -> tuple[Any,
             .order_by(trials_t.c.trial_id)
         )
         states = tuple((tid, _state(state), done) for tid, state, done in session.execute(stmt))
-    attrs = session.scalar(select(func.count()).where(study_attrs_t.c.study_id == sid))
-    return (top, states, attrs)
+    size = select(func.count(), func.coalesce(func.sum(func.length(study_attrs_t.c.value_json)), 0))
+    count, chars = session.execute(size.where(study_attrs_t.c.study_id == sid)).one()
+    return (top, states, (count, int(chars)))
 
 
-def held_version(rows: list[TrialRecord], user_attrs: dict[str, Any]) -> tuple[Any, ...]:
-    """`study_version` of the study as these rows and attributes hold it."""
+def held_version(rows: list[TrialRecord], attrs_size: tuple[int, int]) -> tuple[Any, ...]:
+    """`study_version` of the study as these rows and the attributes of size `attrs_size` (see
+    `sized_study_user_attrs`) hold it."""
     ids = [r.trial_id for r in rows if r.trial_id is not None]
     states = tuple(
         sorted(
             (r.trial_id, r.state, r.finished_at) for r in rows if not r.finished and r.trial_id is not None
         )
     )
-    return (max(ids) if ids else None, states, len(user_attrs))
+    return (max(ids) if ids else None, states, attrs_size)
 
 
 def _batches(session: Session, sid: int, todo: dict[int, TrialRecord], make) -> list[tuple[Any, ...]]:
@@ -319,9 +324,13 @@ def _read_trials(session: Session, sid: int, known: Finished) -> tuple[list[Tria
     return rows, finished, sum(r.state in FINISHED_STATES for r in todo.values())
 
 
-def study_user_attrs(session: Session, sid: int) -> dict[str, Any]:
+def sized_study_user_attrs(session: Session, sid: int) -> tuple[dict[str, Any], tuple[int, int]]:
+    """The study's user attributes and their size as `study_version` counts it: how many, and the
+    length of their stored JSON together."""
     stmt = select(study_attrs_t.c.key, study_attrs_t.c.value_json).where(study_attrs_t.c.study_id == sid)
-    return {key: parse_attr(value) for key, value in fetch(session, stmt)}
+    rows = fetch(session, stmt)
+    size = (len(rows), sum(len(value) for _, value in rows if value is not None))
+    return {key: parse_attr(value) for key, value in rows}, size
 
 
 def study_attrs_of_all(session: Session, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -399,12 +408,12 @@ def read_study(session: Session, study_name: str) -> StudyRecord | None:
             return cached
         known = cached.finished if cached is not None else snapshot.load(session, study_name)
         rows, finished, fetched = read_trials(session, sid, known)
-        user_attrs = study_user_attrs(session, sid)
+        user_attrs, attrs_size = sized_study_user_attrs(session, sid)
         fresh = StudyRecord(
             study_name=study_name,
             # What the rows hold, not what the tables said before reading them: a trial that
             # changed while they were read differs from it at the next request, and is re-read.
-            version=held_version(rows, user_attrs),
+            version=held_version(rows, attrs_size),
             trials=rows,
             user_attrs=user_attrs,
             distributions=finished.distributions(),
