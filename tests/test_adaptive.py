@@ -232,3 +232,39 @@ def test_a_re_run_lands_in_the_re_run_interval_95_percent_of_the_time():
     assert truth / n == pytest.approx(0.95, abs=0.01)
     assert rerun / n == pytest.approx(0.95, abs=0.01)
     assert true_interval_rerun / n == pytest.approx(0.834, abs=0.015)
+
+
+def test_a_re_measurement_with_wider_steps_widens_the_configs_interval_by_what_it_adds():
+    from tuner.record.ranking import Z95, rank_trials, remeasure_target_ci, runs_interval
+
+    noise = 0.02
+    trials, again = [record(0, 100.0, 0.01)], {0: [100.0, 100.0]}
+    tight = rank_trials(trials, again, "cuda", {0: [0.01, 0.01]}).best.ci
+    loose = rank_trials(trials, again, "cuda", {0: [0.05, 0.05]}).best.ci
+    unknown = rank_trials(trials, again, "cuda").best.ci  # stored before re-measurements kept theirs
+    assert unknown == pytest.approx(tight) and loose > tight
+    run_sd = rank_trials(trials, again, "cuda").run_noise
+    assert loose == pytest.approx(runs_interval([0.01, 0.05, 0.05], run_sd))
+    # Three runs, each off by its steps and by the run-to-run noise: their mean's interval.
+    assert runs_interval([0.01, 0.05, 0.05], noise) == pytest.approx(
+        ((0.01**2 + 2 * 0.05**2 + 3 * (Z95 * noise) ** 2) ** 0.5) / 3
+    )
+    # Re-measurements go to the run-to-run noise, never tighter than the recipe asks.
+    assert remeasure_target_ci(0.03, 0.05) == 0.05 and remeasure_target_ci(0.03, 0.01) == 0.03
+
+
+def test_a_re_measurements_target_replaces_the_recipes_but_never_turns_on_adaptive_steps():
+    from tuner.recipe import MeasureSpec
+    from tuner.workload.run import plan_of
+
+    adaptive, fixed = MeasureSpec(target_ci=0.03), MeasureSpec(target_ci=None)
+    assert plan_of(adaptive).target_ci == 0.03
+    assert plan_of(adaptive, target_ci=0.05).target_ci == 0.05
+    # A recipe that asks for exactly `steps` steps keeps them, re-measurements too.
+    assert plan_of(fixed, target_ci=0.05).target_ci is None
+    # The looser target stops a noisy run sooner: steps of 5% sd reach a 5% interval first.
+    rng = random.Random(1)
+    times = [rng.gauss(0.01, 0.0005) for _ in range(400)]
+    looser = feed(plan_of(adaptive, target_ci=0.05), times)
+    assert looser.stop_reason == "target_ci"
+    assert len(looser.times) < len(feed(plan_of(adaptive), times).times)

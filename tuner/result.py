@@ -45,6 +45,9 @@ class TrialSpec:
     # A throughput the config is out of contention below (the study's best so far, with a margin):
     # its measurement may stop before its interval is tight (`tuner.workload.adaptive.Plan`).
     slower_than_tokens_per_s: float | None = None
+    # Replaces the recipe's measure.target_ci where set (a re-measurement is measured to the
+    # run-to-run noise: `tuner.record.ranking.remeasure_target_ci`).
+    target_ci: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

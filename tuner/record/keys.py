@@ -6,6 +6,9 @@ A pure-constant module: trial ranks (`tuner.workload`) may import it without loa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 # ---- the public result keys (DESIGN.md): CLI --json, trial user attributes, REST -------------------
 STATUS = "status"
 STEP_TIME_S = "step_time_s"
@@ -108,8 +111,24 @@ OBJECTIVE = "objective"
 REMEASURED_PREFIX = (
     "remeasured:"  # remeasured:<trial number> -> [tokens/s, ...] (finished trials are read-only)
 )
+# remeasured_ci:<trial number> -> [step_time_ci, ...]: each re-measurement's step interval, in the
+# order of remeasured:<trial number> (absent for studies from before re-measurements kept theirs).
+REMEASURED_CI_PREFIX = "remeasured_ci:"
 REMEASURE_DEVICE_SECONDS = "remeasure_device_seconds"
 
 
 def remeasured_key(trial_number: int) -> str:
     return f"{REMEASURED_PREFIX}{trial_number}"
+
+
+def remeasured_ci_key(trial_number: int) -> str:
+    return f"{REMEASURED_CI_PREFIX}{trial_number}"
+
+
+def per_trial(attrs: Mapping[str, Any], prefix: str) -> dict[int, Any]:
+    """The study attributes `prefix`<trial number>, by trial number."""
+    return {
+        int(k[len(prefix) :]): v
+        for k, v in attrs.items()
+        if k.startswith(prefix) and k[len(prefix) :].isdigit()
+    }

@@ -48,9 +48,25 @@ def run_noise(measurements: Iterable[Sequence[float]], family: str | None = None
 
 
 def throughput_interval(step_ci: float, noise: float, runs: int = 1) -> float:
-    """Relative half-width of the 95% interval of a config's throughput over `runs` runs, whose
-    first had the step interval `step_ci`: each run's steps and the run-to-run `noise` together."""
-    return math.sqrt((step_ci**2 + (Z95 * noise) ** 2) / max(1, runs))
+    """Relative half-width of the 95% interval of a config's throughput over `runs` runs, each with
+    the step interval `step_ci`: each run's steps and the run-to-run `noise` together."""
+    return runs_interval([step_ci] * max(1, runs), noise)
+
+
+def runs_interval(step_cis: Sequence[float], noise: float) -> float:
+    """Relative half-width of the 95% interval of a config's throughput over its runs, run i with
+    the step interval `step_cis[i]`: the mean of the runs, each off by its steps and by `noise`."""
+    variance = sum(ci**2 + (Z95 * noise) ** 2 for ci in step_cis)
+    return math.sqrt(variance) / max(1, len(step_cis))
+
+
+def remeasure_target_ci(target_ci: float, noise: float) -> float:
+    """The step interval a re-measurement is measured to: the recipe's `target_ci`, or the
+    run-to-run `noise` where that is wider. Each run is off by about Z95 * noise from the next
+    whatever its steps show, so steps measured tighter than `noise` hardly narrow the config's
+    interval (at `noise` a run's interval is 12% wider than with perfect steps) and cost device
+    time: a CPU re-measured to 3% instead of 5% runs about three times the steps."""
+    return max(target_ci, noise)
 
 
 def rerun_interval(step_ci: float, noise: float) -> float:
@@ -119,14 +135,18 @@ class Ranking:
         With intervals: the gap is within the 95% interval of the difference of the two throughputs
         (their half-widths added in quadrature). Without (older trials): the gap is within the
         larger noise (spread) of the two."""
-        best, second = self.best, self.runner_up
-        if best is None or second is None:
+        return self.runner_up is not None and self.tied_with_best(self.runner_up)
+
+    def tied_with_best(self, entry: Ranked) -> bool:
+        """`entry` is within the measurement noise of the best (the tie rule of `tie`)."""
+        best = self.best
+        if best is None:
             return False
-        if best.ci is not None and second.ci is not None:
-            spread = math.hypot(best.tokens_per_s * best.ci, second.tokens_per_s * second.ci)
-            return best.tokens_per_s - second.tokens_per_s <= spread
-        gap = (best.tokens_per_s - second.tokens_per_s) / best.tokens_per_s
-        return gap <= max(best.noise, second.noise)
+        if best.ci is not None and entry.ci is not None:
+            spread = math.hypot(best.tokens_per_s * best.ci, entry.tokens_per_s * entry.ci)
+            return best.tokens_per_s - entry.tokens_per_s <= spread
+        gap = (best.tokens_per_s - entry.tokens_per_s) / best.tokens_per_s
+        return gap <= max(best.noise, entry.noise)
 
     @property
     def speedup(self) -> float | None:
@@ -139,13 +159,20 @@ def _relative_spread(values: Sequence[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
 
 
-def ranked(t: TrialRecord, again: Sequence[float], run_sd: float | None = None) -> Ranked:
+def ranked(
+    t: TrialRecord, again: Sequence[float], run_sd: float | None = None, again_ci: Sequence[float] = ()
+) -> Ranked:
     """`t` with its measurements folded into one median (it must have completed with a throughput);
-    `run_sd`: the run-to-run noise (`run_noise`; None: the prior of an unknown family)."""
+    `run_sd`: the run-to-run noise (`run_noise`; None: the prior of an unknown family); `again_ci`:
+    the re-measurements' step intervals (one missing counts as wide as the first measurement's)."""
     measured = [t.tokens_per_s, *again] if t.tokens_per_s is not None else list(again)
     run_sd = run_noise([]) if run_sd is None else run_sd
     config = t.config()
     ci = t.attrs.get(keys.STEP_TIME_CI)
+    cis: list[float] = []
+    if ci is not None:  # each run's step interval, the first measurement's first
+        theirs = [c if c is not None else ci for c in again_ci][: len(again)]
+        cis = [ci] * (t.tokens_per_s is not None) + theirs + [ci] * (len(again) - len(theirs))
     return Ranked(
         trial=t.number,
         config=config.active_params() if config is not None else dict(t.params),
@@ -155,9 +182,7 @@ def ranked(t: TrialRecord, again: Sequence[float], run_sd: float | None = None) 
         metrics={k: t.attrs.get(k) for k in keys.RESULT_KEYS},
         role=t.role,
         constraint_ok=t.constraint_ok,
-        ci=max(throughput_interval(ci, run_sd, len(measured)), _relative_spread(measured) / 2)
-        if ci is not None
-        else None,
+        ci=max(runs_interval(cis, run_sd), _relative_spread(measured) / 2) if ci is not None else None,
     )
 
 
@@ -178,10 +203,14 @@ def tolerance(t: TrialRecord) -> float:
 
 
 def rank_trials(
-    trials: Iterable[TrialRecord], remeasured: Mapping[int, Sequence[float]], family: str | None = None
+    trials: Iterable[TrialRecord],
+    remeasured: Mapping[int, Sequence[float]],
+    family: str | None = None,
+    remeasured_ci: Mapping[int, Sequence[float]] | None = None,
 ) -> Ranking:
-    """Rank a study's trials. `remeasured` holds each trial's re-measurements (tokens/s); `family`
-    (the study's device family) picks the run-to-run noise prior they are pooled with.
+    """Rank a study's trials. `remeasured` holds each trial's re-measurements (tokens/s), and
+    `remeasured_ci` their step intervals; `family` (the study's device family) picks the run-to-run
+    noise prior they are pooled with.
 
     Eligible: completed with a throughput, within the memory constraint, and with losses within
     `LOSS_TOLERANCE` of the first fp32 trial's (the reference; it is eligible itself). Ordered by
@@ -194,11 +223,12 @@ def rank_trials(
     complete = [t for t in trials if t.completed and t.tokens_per_s]
     repeated = [[t.tokens_per_s, *remeasured[t.number]] for t in complete if remeasured.get(t.number)]
     run_sd = run_noise(repeated, family)
+    cis = remeasured_ci or {}
     fp32 = [t for t in complete if t.params.get("amp") == "O0"]
     reference = min(fp32, key=lambda t: t.number) if fp32 else None
     eligible, flagged = [], []
     for t in complete:
-        entry = ranked(t, remeasured.get(t.number, []), run_sd)
+        entry = ranked(t, remeasured.get(t.number, []), run_sd, cis.get(t.number, ()))
         drift = loss_drift(t, reference) if t is not reference else 0.0
         extra = {"loss_drift": drift, "loss_reference_trial": reference.number if reference else None}
         if drift is not None and drift > tolerance(t):
@@ -211,7 +241,9 @@ def rank_trials(
     return Ranking(
         ranked=tuple(eligible),
         flagged=tuple(flagged),
-        baseline=ranked(base, remeasured.get(base.number, []), run_sd) if base is not None else None,
+        baseline=ranked(base, remeasured.get(base.number, []), run_sd, cis.get(base.number, ()))
+        if base is not None
+        else None,
         reference=reference.number if reference else None,
         counts=counts,
         run_noise=run_sd,

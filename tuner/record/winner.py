@@ -58,7 +58,8 @@ def job_verdict(
         built = next((e for e in ranking.ranked if e.trial == built_trial), None)
         record = study.find(built_trial)
         if built is None and record is not None and record.tokens_per_s:
-            built = ranked(record, study.remeasured.get(built_trial, []), ranking.run_noise)
+            again, cis = study.remeasured.get(built_trial, []), study.remeasured_ci.get(built_trial, ())
+            built = ranked(record, again, ranking.run_noise, cis)
         if built is not None:
             best, source = built, "build"
     base = ranking.baseline.tokens_per_s if ranking.baseline else None

@@ -185,8 +185,7 @@ class Driver:
         if mark == self._ranked_at:
             return
         self._ranked_at = mark
-        p = keys.REMEASURED_PREFIX
-        again = {int(k[len(p) :]): v for k, v in attrs.items() if k.startswith(p)}
+        again = keys.per_trial(attrs, keys.REMEASURED_PREFIX)
         best = rank_trials([from_frozen(t) for t in trials if t.state.is_finished()], again).best
         self.best = best.tokens_per_s if best else None
 

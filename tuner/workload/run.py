@@ -165,12 +165,14 @@ class StepClock:
         return dt
 
 
-def plan_of(m: MeasureSpec, slower_than_s: float | None = None) -> Plan:
+def plan_of(m: MeasureSpec, slower_than_s: float | None = None, target_ci: float | None = None) -> Plan:
+    """The recipe's measure section as a plan; `target_ci` replaces its target where both are set
+    (a recipe without a target measures a fixed number of steps, re-measurements too)."""
     cap = float(os.environ.get("TUNER_TEST_MEASURE_MAX_S") or "inf")
     return Plan(
         m.warmup_steps,
         m.steps,
-        target_ci=m.target_ci,
+        target_ci=target_ci if target_ci is not None and m.target_ci is not None else m.target_ci,
         max_seconds=min(float(m.max_seconds), cap),
         slower_than_s=slower_than_s,
     )
@@ -198,7 +200,7 @@ def measure_adaptive(
     fault = Fault(train.env.rank, train.device)
     clock = StepClock(spec.family, train.env.world_size, train.device)
     line = spec.slower_than_tokens_per_s
-    run = Measurement(plan_of(m, train.recipe.tokens_per_step / line if line else None))
+    run = Measurement(plan_of(m, train.recipe.tokens_per_step / line if line else None, spec.target_ci))
     local_losses: list[torch.Tensor] = []
     reading = held if held is not None and m.warmup_steps > HELD_STEP else None
     i = 0
