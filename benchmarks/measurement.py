@@ -166,6 +166,10 @@ def run_condition(
         "step_time_ci_median": statistics.median(cis) if cis else None,
         "start_cpu_s_median": start_cpu_s(tmp),
         "device_s_total": device_s,
+        "remeasure_device_s": study.user_attrs.get(keys.REMEASURE_DEVICE_SECONDS, 0.0),
+        "remeasure_runs": sum(
+            len(v) for k, v in study.user_attrs.items() if k.startswith(keys.REMEASURED_PREFIX)
+        ),
         "study_wall_s": wall,
         "covered": covered,
         "covered_true_interval": covered_true,

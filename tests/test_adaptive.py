@@ -157,6 +157,23 @@ def test_a_real_trial_out_of_contention_stops_after_its_fewest_steps(tmp_path):
     assert r.measured_s < 8 and r.step_time_ci > 0.001
 
 
+@pytest.mark.slow
+def test_a_real_trial_clearly_behind_stops_at_the_looser_interval_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("TUNER_TEST_MEASURE_MAX_S", raising=False)
+    # The same jittered steps twice: told it is far behind a best no machine reaches, the trial
+    # stops once its interval is within 30%; the other goes on towards 5% until max_seconds.
+    env = {"TUNER_TEST_STEP_DELAY_S": "0.02", "TUNER_TEST_STEP_JITTER_S": "0.04"}
+    core = [sorted(os.sched_getaffinity(0))[0]]
+    behind = tiny_spec(tmp_path, "behind", target_ci=0.05, max_seconds=6)
+    behind.behind_tokens_per_s, behind.behind_ci = 1e12, 0.3
+    told = run_trial(behind, env=env, cpus=core)
+    plain = run_trial(tiny_spec(tmp_path, "plain", target_ci=0.05, max_seconds=6), env=env, cpus=core)
+    for r in (told, plain):
+        assert r.status == "ok", r.error
+    assert told.extra["stop_reason"] == "behind" and 0.05 < told.step_time_ci <= 0.3
+    assert len(told.step_times) < len(plain.step_times)
+
+
 # ---- the tie rule uses the intervals ---------------------------------------------------------------
 
 
@@ -235,7 +252,7 @@ def test_a_re_run_lands_in_the_re_run_interval_95_percent_of_the_time():
 
 
 def test_a_re_measurement_with_wider_steps_widens_the_configs_interval_by_what_it_adds():
-    from tuner.record.ranking import Z95, rank_trials, remeasure_target_ci, runs_interval
+    from tuner.record.ranking import Z95, rank_trials, run_noise_ci, runs_interval
 
     noise = 0.02
     trials, again = [record(0, 100.0, 0.01)], {0: [100.0, 100.0]}
@@ -250,7 +267,7 @@ def test_a_re_measurement_with_wider_steps_widens_the_configs_interval_by_what_i
         ((0.01**2 + 2 * 0.05**2 + 3 * (Z95 * noise) ** 2) ** 0.5) / 3
     )
     # Re-measurements go to the run-to-run noise, never tighter than the recipe asks.
-    assert remeasure_target_ci(0.03, 0.05) == 0.05 and remeasure_target_ci(0.03, 0.01) == 0.03
+    assert run_noise_ci(0.03, 0.05) == 0.05 and run_noise_ci(0.03, 0.01) == 0.03
 
 
 def test_a_re_measurements_target_replaces_the_recipes_but_never_turns_on_adaptive_steps():
@@ -258,13 +275,35 @@ def test_a_re_measurements_target_replaces_the_recipes_but_never_turns_on_adapti
     from tuner.workload.run import plan_of
 
     adaptive, fixed = MeasureSpec(target_ci=0.03), MeasureSpec(target_ci=None)
+    again = TrialSpec(recipe={}, config={}, family="cpu", workdir="", target_ci=0.05)
     assert plan_of(adaptive).target_ci == 0.03
-    assert plan_of(adaptive, target_ci=0.05).target_ci == 0.05
+    assert plan_of(adaptive, again).target_ci == 0.05
     # A recipe that asks for exactly `steps` steps keeps them, re-measurements too.
-    assert plan_of(fixed, target_ci=0.05).target_ci is None
+    assert plan_of(fixed, again).target_ci is None
     # The looser target stops a noisy run sooner: steps of 5% sd reach a 5% interval first.
     rng = random.Random(1)
     times = [rng.gauss(0.01, 0.0005) for _ in range(400)]
-    looser = feed(plan_of(adaptive, target_ci=0.05), times)
+    looser = feed(plan_of(adaptive, again), times)
     assert looser.stop_reason == "target_ci"
     assert len(looser.times) < len(feed(plan_of(adaptive), times).times)
+
+
+def test_a_trial_clearly_behind_the_best_stops_at_the_looser_interval_one_close_to_it_does_not(monkeypatch):
+    from tuner.recipe import MeasureSpec
+    from tuner.workload.run import plan_of
+
+    # 1000 tokens a step at 0.01 s: 100,000 tokens/s, steps jittering 15% (a busy shared CPU).
+    rng = random.Random(2)
+    times = [max(0.001, rng.gauss(0.01, 0.0015)) for _ in range(2000)]
+    m = MeasureSpec(target_ci=0.03, max_seconds=1000)
+    monkeypatch.delenv("TUNER_TEST_MEASURE_MAX_S", raising=False)
+
+    def told(best: float) -> Measurement:
+        spec = TrialSpec(recipe={}, config={}, family="cpu", workdir="")
+        spec.behind_tokens_per_s, spec.behind_ci = 0.9 * best, 0.05
+        return feed(plan_of(m, spec, tokens_per_step=1000), times)
+
+    behind, close, alone = told(best=150_000.0), told(best=105_000.0), feed(plan_of(m), times)
+    assert behind.stop_reason == "behind" and 0.03 < behind.ci <= 0.05
+    assert close.stop_reason == alone.stop_reason == "target_ci" and len(close.times) == len(alone.times)
+    assert len(behind.times) < len(alone.times)

@@ -236,13 +236,19 @@ def test_each_new_trial_is_told_the_studys_contention_line_and_a_remeasurement_n
     summary = tune(recipe, ex, trials=5, remeasure_top=2)
     firsts = [s for s in ex.submitted if not s.tag.startswith("remeasure")]
     assert firsts[0].slower_than_tokens_per_s is None  # nothing is measured yet
+    assert firsts[0].behind_tokens_per_s is None and firsts[0].behind_ci is None
     best = 0.0
     for spec in firsts:
         if best:
             assert spec.slower_than_tokens_per_s == pytest.approx(CONTENTION_SHARE * best)
+            # Clearly behind: more than the CPU's run-to-run noise (5%, 95%: 9.8%) below the best;
+            # there a 5% step interval is enough.
+            assert spec.behind_tokens_per_s == pytest.approx(best * (1 - 1.96 * 0.05), rel=1e-3)
+            assert spec.behind_ci == pytest.approx(0.05)
         best = max(best, fake_tokens(Config(**spec.config)))
     again = [s for s in ex.submitted if s.tag.startswith("remeasure")]
-    assert again and all(s.slower_than_tokens_per_s is None for s in again)  # measured in full
+    # Measured in full, to the run-to-run noise's interval.
+    assert again and all(s.slower_than_tokens_per_s is None and s.behind_tokens_per_s is None for s in again)
     assert summary.best is not None
 
 

@@ -46,8 +46,12 @@ class TrialSpec:
     # its measurement may stop before its interval is tight (`tuner.workload.adaptive.Plan`).
     slower_than_tokens_per_s: float | None = None
     # Replaces the recipe's measure.target_ci where set (a re-measurement is measured to the
-    # run-to-run noise: `tuner.record.ranking.remeasure_target_ci`).
+    # run-to-run noise: `tuner.record.ranking.run_noise_ci`).
     target_ci: float | None = None
+    # A throughput the config is clearly behind the best below (`tuner.record.ranking.behind_line`):
+    # once its median is slower, its steps stop at the interval `behind_ci` instead of target_ci.
+    behind_tokens_per_s: float | None = None
+    behind_ci: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

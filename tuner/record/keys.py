@@ -67,7 +67,7 @@ WHERE_KEYS = (NODE, NODES, RANK_NODES)  # where a trial ran: listed with its res
 ROLE = "role"  # why the trial ran: baseline, fp32_reference, warm_start, previous_best, retry, ...
 CONFIG_KEY = "config_key"  # Config.key(): duplicates share it
 DEVICE_SECONDS = "device_seconds"  # wall time x devices
-# Why the measured steps ended: target_ci, max_seconds, steps, max_steps or out_of_contention.
+# Why the measured steps ended: target_ci, max_seconds, steps, max_steps, out_of_contention or behind.
 MEASURE_STOP = "measure_stop"
 ESTIMATOR_CALIBRATION = "estimator_calibration"
 PRUNED_REASON = "pruned_reason"

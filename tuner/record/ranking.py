@@ -60,13 +60,22 @@ def runs_interval(step_cis: Sequence[float], noise: float) -> float:
     return math.sqrt(variance) / max(1, len(step_cis))
 
 
-def remeasure_target_ci(target_ci: float, noise: float) -> float:
-    """The step interval a re-measurement is measured to: the recipe's `target_ci`, or the
-    run-to-run `noise` where that is wider. Each run is off by about Z95 * noise from the next
-    whatever its steps show, so steps measured tighter than `noise` hardly narrow the config's
-    interval (at `noise` a run's interval is 12% wider than with perfect steps) and cost device
-    time: a CPU re-measured to 3% instead of 5% runs about three times the steps."""
+def run_noise_ci(target_ci: float, noise: float) -> float:
+    """The step interval worth measuring a run to where its own precision decides nothing: the
+    recipe's `target_ci`, or the run-to-run `noise` where that is wider. Each run is off by about
+    Z95 * noise from the next whatever its steps show, so steps measured tighter than `noise`
+    hardly narrow the config's interval (at `noise` a run's interval is 12% wider than with
+    perfect steps) and cost device time: a CPU measured to 3% instead of 5% runs about three times
+    the steps. Re-measurements use it, and new trials clearly behind the best (`behind_line`)."""
     return max(target_ci, noise)
+
+
+def behind_line(best_tokens_per_s: float, noise: float) -> float:
+    """The throughput a new trial is clearly behind the study's best below: further off it than
+    one run's 95% run-to-run noise, so that a tighter step interval of its own cannot make it the
+    winner (it may still be a tie: its interval says so). 90% of the best on a CPU (5% noise),
+    98% on a GPU (1%)."""
+    return best_tokens_per_s * (1 - Z95 * noise)
 
 
 def rerun_interval(step_ci: float, noise: float) -> float:

@@ -25,7 +25,7 @@ from tuner.perf.observations import fingerprint_observations
 from tuner.prune import OomFloor, oom_floor, study_calibration, verdict
 from tuner.recipe import Recipe
 from tuner.record import keys
-from tuner.record.ranking import rank_trials
+from tuner.record.ranking import behind_line, rank_trials, run_noise_ci
 from tuner.record.status import OK, OOM, PRUNED
 from tuner.record.trial import from_frozen
 from tuner.result import TrialResult, TrialSpec
@@ -43,7 +43,9 @@ HEARTBEAT_INTERVAL_S = 5.0  # also how long one executor.wait blocks
 TRIAL_SEED = 0
 # A new trial surely slower than this share of the study's best so far (its whole 95% interval
 # below) cannot win: its measured steps stop then, before the interval reaches measure.target_ci.
-# Configs that may still win are measured in full, and re-measurements always are.
+# A trial clearly behind the best (`ranking.behind_line`, 90% of it on a CPU) is measured to the
+# run-to-run noise's interval (`ranking.run_noise_ci`), not to measure.target_ci. Configs close to
+# the best are measured to the target, re-measurements to the run-to-run noise.
 CONTENTION_SHARE = 0.8
 
 
@@ -96,6 +98,7 @@ class Driver:
         self.calibration = reserved_ratio_prior(self.device.family)
         self.floor = OomFloor()  # what ran out of memory bounds the configs estimated larger
         self.best: float | None = None
+        self.run_noise: float | None = None  # the ranking's run-to-run noise, with self.best
         self._ranked_at: tuple[int, int] | None = None  # (finished trials, study attrs) last ranked
         self._grid: list[Config] | None = None
 
@@ -186,8 +189,9 @@ class Driver:
             return
         self._ranked_at = mark
         again = keys.per_trial(attrs, keys.REMEASURED_PREFIX)
-        best = rank_trials([from_frozen(t) for t in trials if t.state.is_finished()], again).best
-        self.best = best.tokens_per_s if best else None
+        ranking = rank_trials([from_frozen(t) for t in trials if t.state.is_finished()], again, self.family)
+        self.best = ranking.best.tokens_per_s if ranking.best else None
+        self.run_noise = ranking.run_noise
 
     def _stagnant(self) -> bool:
         if not self.budget.patience:
@@ -305,6 +309,10 @@ class Driver:
             spec = self.spec(config, str(trial.number), v.estimated_peak_mem_bytes, v.memory_budget_bytes)
             if self.best:
                 spec.slower_than_tokens_per_s = CONTENTION_SHARE * self.best
+                target = self.recipe.measure.target_ci
+                if target is not None and self.run_noise is not None:
+                    spec.behind_tokens_per_s = behind_line(self.best, self.run_noise)
+                    spec.behind_ci = run_noise_ci(target, self.run_noise)
             self._submit(trial, config, spec, role)
 
     def _submit(self, trial: optuna.trial.Trial, config: Config, spec: TrialSpec, role: str | None) -> None:

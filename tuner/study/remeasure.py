@@ -6,7 +6,7 @@ each trial's median and interval.
 Device time goes where it can change the answer. The first round re-measures every config of the
 top once; later rounds only the best and the configs still tied with it (`Ranking.tied_with_best`).
 Each re-measurement is measured to the run-to-run noise, not to the recipe's target
-(`remeasure_target_ci`): one run's error is mostly that noise, so more, shorter runs buy more
+(`run_noise_ci`): one run's error is mostly that noise, so more, shorter runs buy more
 precision per device-second than fewer tight ones.
 
 The configs take turns (A B C A B C): a slow drift of the machine's load then falls on all of them
@@ -17,7 +17,7 @@ from __future__ import annotations
 from tuner.db import session_scope
 from tuner.prune import verdict
 from tuner.record import keys
-from tuner.record.ranking import Ranking, remeasure_target_ci
+from tuner.record.ranking import Ranking, run_noise_ci
 from tuner.record.reader import read_study
 from tuner.record.status import OK
 from tuner.space import config_from_params
@@ -67,7 +67,7 @@ def _remeasure_trials(driver: Driver, numbers: list[int], ranking: Ranking, runs
     before (each run gets its own tag and folder). Returns the new count."""
     trials = {t.number: t for t in driver.study.get_trials(deepcopy=False)}
     measure = driver.recipe.measure
-    target = remeasure_target_ci(measure.target_ci, ranking.run_noise or 0.0) if measure.target_ci else None
+    target = run_noise_ci(measure.target_ci, ranking.run_noise or 0.0) if measure.target_ci else None
     todo, waiting = list(numbers), {}
     while (todo or waiting) and not driver.hooks.should_stop():
         while todo:

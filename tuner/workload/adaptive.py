@@ -3,7 +3,8 @@ the step time settles, measurement ends when the 95% confidence interval of the 
 is tight enough, or its time cap passes. Every rank feeds the same step times (the slowest rank's),
 so every rank takes the same decision and no collective is left waiting. A trial of a study also
 stops once it is surely out of contention for the best (`Plan.slower_than_s`): its figure needs
-no tight interval to lose."""
+no tight interval to lose; and one clearly behind the best stops at the run-to-run noise's
+interval (`Plan.behind_s`), which more steps of its own could not narrow much."""
 
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class Plan:
     time cap on the measured steps. `target_ci=None` measures exactly `steps` steps.
     `slower_than_s`: a step time the config is out of contention above (the study's best so far,
     with a margin): measurement also stops, after the minimum steps, once the median's whole 95%
-    interval lies above it."""
+    interval lies above it. `behind_s`: a step time the config is clearly behind the best above: once
+    its median is slower, `behind_ci` is interval enough (the run-to-run noise's level)."""
 
     warmup_steps: int
     steps: int
@@ -85,6 +87,8 @@ class Plan:
     max_seconds: float = 20.0
     max_steps: int = 100_000  # a bound for very fast steps that never reach the target
     slower_than_s: float | None = None
+    behind_s: float | None = None
+    behind_ci: float | None = None
 
 
 @dataclass
@@ -130,8 +134,8 @@ class Measurement:
         return relative_half_width(self._sorted)
 
     def done(self) -> bool:
-        """Whether to stop (sets `stop_reason`: target_ci, max_seconds, steps, max_steps or
-        out_of_contention)."""
+        """Whether to stop (sets `stop_reason`: target_ci, max_seconds, steps, max_steps,
+        out_of_contention or behind)."""
         p = self.plan
         n = len(self.times)
         if self.warming_up or n < p.steps:
@@ -148,4 +152,12 @@ class Measurement:
             self.stop_reason = "out_of_contention"
         elif (ci := self.ci) is not None and ci <= p.target_ci:
             self.stop_reason = "target_ci"
+        elif (
+            ci is not None
+            and p.behind_s is not None
+            and p.behind_ci is not None
+            and ci <= p.behind_ci
+            and _median(self._sorted) > p.behind_s
+        ):
+            self.stop_reason = "behind"
         return self.stop_reason is not None

@@ -165,16 +165,26 @@ class StepClock:
         return dt
 
 
-def plan_of(m: MeasureSpec, slower_than_s: float | None = None, target_ci: float | None = None) -> Plan:
-    """The recipe's measure section as a plan; `target_ci` replaces its target where both are set
-    (a recipe without a target measures a fixed number of steps, re-measurements too)."""
+def plan_of(m: MeasureSpec, spec: TrialSpec | None = None, tokens_per_step: int = 0) -> Plan:
+    """The recipe's measure section as a plan, with what the study told this trial (`spec`, whose
+    throughput lines become step times of `tokens_per_step` tokens): its own target replaces the
+    recipe's where both are set (a recipe without a target measures a fixed number of steps,
+    re-measurements too)."""
     cap = float(os.environ.get("TUNER_TEST_MEASURE_MAX_S") or "inf")
+    spec = spec or TrialSpec(recipe={}, config={}, family="cpu", workdir="")
+
+    def step_time(tokens_per_s: float | None) -> float | None:
+        return tokens_per_step / tokens_per_s if tokens_per_s else None
+
+    adaptive = m.target_ci is not None
     return Plan(
         m.warmup_steps,
         m.steps,
-        target_ci=target_ci if target_ci is not None and m.target_ci is not None else m.target_ci,
+        target_ci=spec.target_ci if spec.target_ci is not None and adaptive else m.target_ci,
         max_seconds=min(float(m.max_seconds), cap),
-        slower_than_s=slower_than_s,
+        slower_than_s=step_time(spec.slower_than_tokens_per_s),
+        behind_s=step_time(spec.behind_tokens_per_s),
+        behind_ci=spec.behind_ci,
     )
 
 
@@ -199,8 +209,7 @@ def measure_adaptive(
     m = train.recipe.measure
     fault = Fault(train.env.rank, train.device)
     clock = StepClock(spec.family, train.env.world_size, train.device)
-    line = spec.slower_than_tokens_per_s
-    run = Measurement(plan_of(m, train.recipe.tokens_per_step / line if line else None, spec.target_ci))
+    run = Measurement(plan_of(m, spec, train.recipe.tokens_per_step))
     local_losses: list[torch.Tensor] = []
     reading = held if held is not None and m.warmup_steps > HELD_STEP else None
     i = 0
