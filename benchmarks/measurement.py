@@ -12,13 +12,15 @@ measurement's interval covers its re-measurements, and the spread of one config 
 `studies` runs, one after the other in one process (so all see the same machine):
 - before: the measurement as it was (cold start, 2 warm-up + 5 measured steps, one re-measurement
   round), local executor;
-- local-warm: adaptive measurement and the warm start, local executor, 2 re-measurement rounds;
+- local-warm: adaptive measurement and the warm start, local executor, re-measurement as `tuner
+  tune` does it (the top 3 once, then the ones tied with the best once more);
 - ray-warm: the same on a local Ray runtime (no re-measurement);
 - ray-before: the measurement as it was, on Ray (the cold start's overhead on Ray);
 - local-cold / ray-cold: adaptive measurement, cold start (not in the default set: `before` and
   `ray-before` give the cold start's overhead with the same 2 warm-up steps in less time).
-Each condition's search takes its own path (what it measured steers its sampler), so two may run
-different configs: a few compiled ones cost seconds each. `--same-configs` makes every later
+Each condition compiles cold, into an Inductor cache of its own. Each condition's search takes
+its own path (what it measured steers its sampler), so two may run different configs: a few
+compiled ones cost seconds each. `--same-configs` makes every later
 condition run the first condition's device runs first, in the same order.
 Other work on the machine inflates every number: compare the rows of one run, and note the load
 average printed with each.
@@ -120,8 +122,10 @@ def run_condition(
         fixed = {"warmup_steps": 2, "steps": 5, "target_ci": None}
         recipe = recipe.model_copy(update={"measure": recipe.measure.model_copy(update=fixed)})
     remeasure.ROUNDS = rounds or (2 if adaptive else 1)
-    env = {"TUNER_WARM_START": "1" if warm_on else "0"}
     tmp = tempfile.mkdtemp(prefix=f"tuner-measure-{name}-")
+    # Each condition compiles into a cache of its own: with the shared default one, every
+    # condition after the first loaded the graphs the first one compiled (4-7 s each here).
+    env = {"TUNER_WARM_START": "1" if warm_on else "0", "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"}
     url = f"sqlite:///{tmp}/study.db"
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
