@@ -114,7 +114,10 @@ def tune(
     ),
     executor: str = typer.Option("local", "--executor", metavar="local|ray", help="Where trials run."),
     remeasure: int = typer.Option(
-        3, "--remeasure", metavar="K", help="Measure the top K configs again at the end."
+        3,
+        "--remeasure",
+        metavar="K",
+        help="Measure the top K configs again at the end (the best and the configs tied with it twice).",
     ),
     top: int = typer.Option(5, "--top", metavar="K", help="Rows in the top-configs table."),
     as_json: bool = typer.Option(False, "--json", help="Print the study summary as JSON on stdout."),
