@@ -307,3 +307,17 @@ def test_a_trial_clearly_behind_the_best_stops_at_the_looser_interval_one_close_
     assert behind.stop_reason == "behind" and 0.03 < behind.ci <= 0.05
     assert close.stop_reason == alone.stop_reason == "target_ci" and len(close.times) == len(alone.times)
     assert len(behind.times) < len(alone.times)
+
+
+@pytest.mark.parametrize("family", ["cpu", "cuda"])
+def test_a_config_below_the_contention_line_is_no_tie_with_the_best_by_the_tie_rule(family):
+    from tuner.record.ranking import RUN_NOISE_PRIOR, contention_line, rank_trials
+
+    noise = RUN_NOISE_PRIOR[family]
+    line = contention_line(100.0, noise)
+    assert 0.85 < line / 100.0 < 0.87 if family == "cpu" else 0.97 < line / 100.0 < 0.98
+    # One run each with a perfectly known step time: only the run-to-run noise separates them.
+    below = rank_trials([record(0, 100.0, 0.0), record(1, 0.999 * line, 0.0)], {}, family)
+    assert below.best.trial == 0 and not below.tie
+    above = rank_trials([record(0, 100.0, 0.0), record(1, (line + 100.0) / 2, 0.0)], {}, family)
+    assert above.tie

@@ -25,7 +25,7 @@ from tuner.perf.observations import fingerprint_observations
 from tuner.prune import OomFloor, oom_floor, study_calibration, verdict
 from tuner.recipe import Recipe
 from tuner.record import keys
-from tuner.record.ranking import behind_line, rank_trials, run_noise_ci
+from tuner.record.ranking import behind_line, contention_line, rank_trials, run_noise_ci
 from tuner.record.status import OK, OOM, PRUNED
 from tuner.record.trial import from_frozen
 from tuner.result import TrialResult, TrialSpec
@@ -41,12 +41,12 @@ HEARTBEAT_INTERVAL_S = 5.0  # also how long one executor.wait blocks
 
 # Every trial of a study uses the same model init and data, so losses compare across configs.
 TRIAL_SEED = 0
-# A new trial surely slower than this share of the study's best so far (its whole 95% interval
-# below) cannot win: its measured steps stop then, before the interval reaches measure.target_ci.
-# A trial clearly behind the best (`ranking.behind_line`, 90% of it on a CPU) is measured to the
-# run-to-run noise's interval (`ranking.run_noise_ci`), not to measure.target_ci. Configs close to
-# the best are measured to the target, re-measurements to the run-to-run noise.
-CONTENTION_SHARE = 0.8
+# A new trial surely outside a tie with the study's best so far (its whole 95% step interval below
+# `ranking.contention_line`, 86% of the best on a CPU) cannot win: its measured steps stop then,
+# before the interval reaches measure.target_ci. One clearly behind the best (`ranking.behind_line`,
+# 90% of it on a CPU) is measured to the run-to-run noise's interval (`ranking.run_noise_ci`), not
+# to measure.target_ci. Configs close to the best are measured to the target, re-measurements to
+# the run-to-run noise.
 
 
 @dataclass
@@ -307,10 +307,10 @@ class Driver:
             if v.estimated_peak_mem_bytes is not None:
                 trial.set_user_attr(keys.ESTIMATED_PEAK_MEM_BYTES, v.estimated_peak_mem_bytes)
             spec = self.spec(config, str(trial.number), v.estimated_peak_mem_bytes, v.memory_budget_bytes)
-            if self.best:
-                spec.slower_than_tokens_per_s = CONTENTION_SHARE * self.best
+            if self.best and self.run_noise is not None:
+                spec.slower_than_tokens_per_s = contention_line(self.best, self.run_noise)
                 target = self.recipe.measure.target_ci
-                if target is not None and self.run_noise is not None:
+                if target is not None:
                     spec.behind_tokens_per_s = behind_line(self.best, self.run_noise)
                     spec.behind_ci = run_noise_ci(target, self.run_noise)
             self._submit(trial, config, spec, role)
