@@ -63,11 +63,10 @@ def coverage(study, interval: str = "rerun") -> tuple[int, int]:
 
     trials = {t.number: t for t in study.get_trials(deepcopy=False)}
     family = (study.user_attrs.get(keys.FINGERPRINT) or {}).get("family")
-    groups = {}
-    for key, values in study.user_attrs.items():
-        if key.startswith(keys.REMEASURED_PREFIX):
-            number = int(key.removeprefix(keys.REMEASURED_PREFIX))
-            groups[number] = [trials[number].user_attrs.get(keys.TOKENS_PER_S), *values]
+    groups = {
+        number: [trials[number].user_attrs.get(keys.TOKENS_PER_S), *values]
+        for number, values in keys.per_trial(study.user_attrs, keys.REMEASURED_PREFIX).items()
+    }
     covered = pairs = 0
     for number, (tps, *values) in groups.items():
         ci = trials[number].user_attrs.get(keys.STEP_TIME_CI)
@@ -172,7 +171,7 @@ def run_condition(
         "device_s_total": device_s,
         "remeasure_device_s": study.user_attrs.get(keys.REMEASURE_DEVICE_SECONDS, 0.0),
         "remeasure_runs": sum(
-            len(v) for k, v in study.user_attrs.items() if k.startswith(keys.REMEASURED_PREFIX)
+            len(v) for v in keys.per_trial(study.user_attrs, keys.REMEASURED_PREFIX).values()
         ),
         "study_wall_s": wall,
         "covered": covered,

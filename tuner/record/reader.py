@@ -210,8 +210,9 @@ def study_version(session: Session, sid: int, open_ids: list[int]) -> tuple[Any,
     or changes state, or the study's attributes change (a re-measurement adds one or grows one):
     its highest trial id (read from the study's index), the state of each trial held unfinished
     (by primary key), the study attributes' count and the length of their JSON together (an
-    attribute updated in place, a re-measurement appended to its trial's list, keeps the count). Optuna never changes a finished trial, so this is enough,
-    and it costs the same for 10 trials as for 10,000 (a scan of the study was 17 ms there)."""
+    attribute updated in place, a re-measurement appended to its trial's list, keeps the count).
+    Optuna never changes a finished trial, so this is enough, and it costs the same for 10 trials
+    as for 10,000 (a scan of the study was 17 ms there)."""
     top = session.scalar(select(func.max(trials_t.c.trial_id)).where(trials_t.c.study_id == sid))
     states: tuple[Any, ...] = ()
     if open_ids:
