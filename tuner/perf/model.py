@@ -31,8 +31,14 @@ PHYSICAL = (
     Coef("log_latency", 2.0),  # per collective (all-reduce, gather, scatter)
     Coef("overlap_logit", 1.5),  # share of DDP/FSDP traffic hidden behind backward
     Coef("log_host_unit", 1.2),
-    Coef("amp_O1", 0.6),  # compute speed of autocast relative to what the dtype's peak implies
-    Coef("amp_O2", 0.6),
+    # Autocast's matmul speed (amp O1 and O2 alike: the same kernels in the same dtype) relative
+    # to what the dtype's peak implies, and O2's on top of it (weights kept in the low dtype: no
+    # per-op casts). One shared term, so that a trial at either level teaches the model about
+    # both: fitted to whole tables the two sat within 0.02-0.15 of each other on three of four
+    # CPU hosts (BENCHMARKS section 11), and with a term each, five random trials left one of
+    # them at its prior for two thirds of the table's configs.
+    Coef("log_autocast", 0.6),
+    Coef("amp_O2", 0.25),
     Coef("log_mem_bandwidth", 1.0),  # what memory-bound kernels reach (bytes/s)
     # A pipeline's point-to-point send or receive: one message to one peer, no reduction and no
     # rendezvous of the whole group, so far cheaper than a collective (gloo on this project's
@@ -84,7 +90,7 @@ def prior(priors: DevicePriors) -> tuple[np.ndarray, np.ndarray]:
         math.log(priors.latency),
         0.0,
         math.log(priors.host_unit_s),
-        0.0,
+        priors.log_autocast,
         0.0,
         math.log(priors.mem_bandwidth),
         math.log(priors.p2p_latency),
@@ -158,7 +164,7 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
         "oversub": col(priors.oversubscription(w.ranks) for w in works),
         # A data-parallel group larger than a node crosses nodes: its link is the slower one.
         "dp_link": col(priors.cross_node_share if w.ranks > priors.node_devices else 1.0 for w in works),
-        "amp_O1": col(c.amp == "O1" for c in configs),
+        "autocast": col(c.amp in ("O1", "O2") for c in configs),
         "amp_O2": col(c.amp == "O2" for c in configs),
     }
     # Normalized once per config, not once per multiplier: a plan ranks thousands of configs.
@@ -170,8 +176,8 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
 def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
     """Log step time (s) of every row under coefficients `theta` (COEF_NAMES order)."""
     c = f.cols
-    eff, half, bw, lat, overlap, host, o1, o2, mem_bw, p2p = theta[: len(PHYSICAL)]
-    speed = c["peak"] * np.exp(eff + o1 * c["amp_O1"] + o2 * c["amp_O2"])
+    eff, half, bw, lat, overlap, host, autocast, o2, mem_bw, p2p = theta[: len(PHYSICAL)]
+    speed = c["peak"] * np.exp(eff + autocast * c["autocast"] + o2 * c["amp_O2"])
     speed = speed * c["micro_tokens"] / (c["micro_tokens"] + math.exp(half))
     # One micro-batch on the busiest rank: matmuls at their speed, memory-bound kernels at the
     # memory's, host work per unit.

@@ -9,6 +9,15 @@ from dataclasses import dataclass, field
 
 from tuner.devices import DeviceInfo, peak_tflops
 
+# Autocast on a CPU: log of the speed its matmuls reach against the low dtype's one-thread peak.
+# That peak is a lone F.linear, which the bf16 units of the tables' CPUs run at 2.3-8.5x fp32;
+# autocast's training steps (casts, small per-op kernels) reach about half of it: fitted to each
+# of the four gpt tables whole, -0.43, -0.61, -0.64 and -2.0 (the last a Sapphire Rapids, whose
+# AMX matmul is 8.5x fp32); with each table left out in turn, the other three's median is -0.61
+# to -0.64 (BENCHMARKS section 11). Accelerators' autocast runs the tensor cores their
+# datasheet's peak is for: 0, the efficiency covers the rest.
+CPU_LOG_AUTOCAST = -0.6
+
 # (efficiency, half-efficiency tokens, bandwidth bytes/s, latency s per collective, host s per
 # unit, cross-node share, memory bandwidth bytes/s that memory-bound kernels reach: CPU per
 # thread, accelerators per device, latency s per point-to-point message).
@@ -49,6 +58,7 @@ class DevicePriors:
     cores: int = 0  # CPU: cores the ranks share (0: not a CPU)
     mem_bandwidth: float = 5e9  # bytes/s of memory-bound kernels: one device (CPU: one thread)
     p2p_latency: float = 5e-5  # s per pipeline send or receive
+    log_autocast: float = 0.0  # log speed of autocast's matmuls against the low dtype's peak
     spread: dict[str, float] = field(default_factory=dict)  # prior sd (log) per coefficient
 
     def peak(self, dtype: str, ranks: int = 1) -> float:
@@ -84,5 +94,17 @@ def device_priors(device: DeviceInfo) -> DevicePriors:
     # group larger than this machine's devices crosses nodes.
     node = device.count if device.family != "cpu" else 1 << 30
     return DevicePriors(
-        device.family, eff, half, peaks, bw, lat, host, node, cross, cores, mem_bw, p2p_latency=p2p
+        device.family,
+        eff,
+        half,
+        peaks,
+        bw,
+        lat,
+        host,
+        node,
+        cross,
+        cores,
+        mem_bw,
+        p2p_latency=p2p,
+        log_autocast=CPU_LOG_AUTOCAST if device.family == "cpu" else 0.0,
     )
