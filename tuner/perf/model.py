@@ -34,9 +34,9 @@ PHYSICAL = (
     # Autocast's matmul speed (amp O1 and O2 alike: the same kernels in the same dtype) relative
     # to what the dtype's peak implies, and O2's on top of it (weights kept in the low dtype: no
     # per-op casts). One shared term, so that a trial at either level teaches the model about
-    # both: fitted to whole tables the two sat within 0.02-0.15 of each other on three of four
-    # CPU hosts (BENCHMARKS section 11), and with a term each, five random trials left one of
-    # them at its prior for two thirds of the table's configs.
+    # both: fitted to the four gpt tables whole, O2's own term came to -0.01, -0.02, -0.17 and
+    # -0.52 (BENCHMARKS section 11), and with a term each, five random trials left one level at
+    # its prior for two thirds of a table's configs.
     Coef("log_autocast", 0.6),
     Coef("amp_O2", 0.25),
     Coef("log_mem_bandwidth", 1.0),  # what memory-bound kernels reach (bytes/s)
