@@ -1,0 +1,69 @@
+"""Does a trial started right after another measure slower than one started after a pause? The
+study's re-measurements run back to back (about 0.1 s apart), its trials about 1 s apart (the
+sampler's turn). The recipe's plain config, in alternating blocks of `--runs` trials: back to back,
+then each after `--gap` seconds idle, through the local runner with the warm start.
+
+    python benchmarks/measurement_gap.py recipes/gpt-tiny.yaml --blocks 4 --runs 3 --gap 1.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=3, help="trials per block")
+    ap.add_argument("--gap", type=float, default=1.5, help="idle seconds before each trial of a paused block")
+    ap.add_argument("--target-ci", type=float, default=0.05)
+    args = ap.parse_args(argv)
+
+    from tuner.config import Config
+    from tuner.devices import resolve_family
+    from tuner.executors.local import prestart_helper, run_trial
+    from tuner.recipe import load_recipe
+    from tuner.result import TrialSpec
+
+    recipe = load_recipe(args.recipe)
+    prestart_helper()
+    time.sleep(8)  # the helper imports torch
+    tmp = tempfile.mkdtemp(prefix="tuner-measure-gap-")
+    out: dict[str, list[float]] = {"back_to_back": [], "after_gap": []}
+    i = 0
+    for _ in range(args.blocks):
+        for mode in out:
+            for _ in range(args.runs):
+                if mode == "after_gap":
+                    time.sleep(args.gap)
+                spec = TrialSpec(
+                    recipe=recipe.to_dict(),
+                    config=Config(dp=recipe.hardware.devices).to_dict(),
+                    family=resolve_family(recipe.hardware.device),
+                    workdir=f"{tmp}/{i}",
+                    timeout_s=recipe.measure.timeout_s,
+                    tag=f"gap-{i}",
+                    target_ci=args.target_ci,
+                )
+                r = run_trial(spec)
+                i += 1
+                out[mode].append(r.tokens_per_s)
+                print(
+                    f"  {mode}: {r.tokens_per_s:,.0f} tokens/s (ci {r.step_time_ci})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    every = [v for values in out.values() for v in values]
+    summary = {mode: {"median": statistics.median(v), "runs": len(v)} for mode, v in out.items()}
+    print(json.dumps({**summary, "max_over_min": max(every) / min(every), "tokens_per_s": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
