@@ -5,7 +5,7 @@ kernel-ish unit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tuner.devices import DeviceInfo, peak_tflops
 
@@ -14,8 +14,9 @@ from tuner.devices import DeviceInfo, peak_tflops
 # autocast's training steps (casts, small per-op kernels) reach about half of it: fitted to each
 # of the four gpt tables whole, -0.43, -0.61, -0.64 and -2.0 (the last a Sapphire Rapids, whose
 # AMX matmul is 8.5x fp32); with each table left out in turn, the other three's median is -0.61
-# to -0.64 (BENCHMARKS section 11). Accelerators' autocast runs the tensor cores their
-# datasheet's peak is for: 0, the efficiency covers the rest.
+# to -0.64 (BENCHMARKS section 11). A CPU without bf16 units starts the dtype at the fp32 peak
+# (`device_priors`), where autocast's conversions make it slower still. Accelerators' autocast
+# runs the tensor cores their datasheet's peak is for: 0, the efficiency covers the rest.
 CPU_LOG_AUTOCAST = -0.6
 
 # (efficiency, half-efficiency tokens, bandwidth bytes/s, latency s per collective, host s per
@@ -59,7 +60,6 @@ class DevicePriors:
     mem_bandwidth: float = 5e9  # bytes/s of memory-bound kernels: one device (CPU: one thread)
     p2p_latency: float = 5e-5  # s per pipeline send or receive
     log_autocast: float = 0.0  # log speed of autocast's matmuls against the low dtype's peak
-    spread: dict[str, float] = field(default_factory=dict)  # prior sd (log) per coefficient
 
     def peak(self, dtype: str, ranks: int = 1) -> float:
         """FLOP/s of one rank: a device, or on CPU its share of the cores (as the ranks set it)."""
