@@ -46,6 +46,18 @@ def test_warmup_ends_once_step_time_settles_and_at_the_ceiling_otherwise():
     assert len(feed(Plan(warmup_steps=3, steps=5), falling).warmup) == 3
 
 
+def test_warmup_holds_a_configs_once_only_step_past_the_ceiling_and_settled_times():
+    # PowerSGD's first compressed step (training step 2) allocates its matrices: with a ceiling
+    # of 2 it was the first measured step, up to 3.4x a steady one.
+    times = [1.0, 1.0, 3.0] + [1.0] * 100
+    assert feed(Plan(warmup_steps=2, steps=5), times).times[0] == 3.0
+    held = feed(Plan(warmup_steps=2, steps=5, min_warmup=3), times)
+    assert held.warmup == [1.0, 1.0, 3.0] and 3.0 not in held.times
+    assert (
+        len(feed(Plan(warmup_steps=8, steps=5, min_warmup=3), [1.0] * 100).warmup) == 4
+    )  # settles as before
+
+
 def test_steady_steps_stop_at_the_interval_target_noisy_ones_later_or_at_max_seconds():
     rng = random.Random(0)
     steady = feed(

@@ -89,6 +89,9 @@ class Plan:
     slower_than_s: float | None = None
     behind_s: float | None = None
     behind_ci: float | None = None
+    # Warm-up steps the config needs whatever the ceiling and the step times say: once-only work
+    # at a fixed step (`tuner.workload.apply.first_steady_step`).
+    min_warmup: int = 0
 
 
 @dataclass
@@ -104,7 +107,10 @@ class Measurement:
 
     @property
     def warming_up(self) -> bool:
-        return not self.times and len(self.warmup) < self.plan.warmup_steps and not self._warm
+        if self.times:
+            return False
+        n = len(self.warmup)
+        return n < self.plan.min_warmup or (n < self.plan.warmup_steps and not self._warm)
 
     @property
     def _warm(self) -> bool:

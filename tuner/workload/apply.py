@@ -98,6 +98,21 @@ def apply_compile(model: Decoder, mode: str) -> None:
         block.compile(mode=mode)
 
 
+# The training step (0-based) PowerSGD compresses from; before it, plain all-reduces. 2 is the
+# least torch allows with error feedback: compress from the first steps, a short trial must
+# measure it.
+POWERSGD_START_ITER = 2
+
+
+def first_steady_step(config: Config) -> int:
+    """The first training step after the once-only work that a config's own mechanisms do at a
+    fixed step, which warm-up must hold whatever the step times or its ceiling say (0: none).
+    PowerSGD's first compressed step allocates its low-rank matrices and error buffers: on the test
+    machine's gpt-tiny it took 1.4-3.4x a steady step, and with the recipe's 2 warm-up steps it was
+    the first measured one in every PowerSGD run (BENCHMARKS section 8)."""
+    return POWERSGD_START_ITER + 1 if config.normalized().grad_compression == "powersgd" else 0
+
+
 def apply_ddp(model: nn.Module, dims: ParallelDims, config: Config, device: torch.device) -> nn.Module:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
@@ -119,9 +134,8 @@ def apply_ddp(model: nn.Module, dims: ParallelDims, config: Config, device: torc
     elif config.grad_compression == "bf16":
         ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
     elif config.grad_compression == "powersgd":
-        # start_powerSGD_iter=2: compress from the first steps, a short trial must measure it.
         state = powerSGD_hook.PowerSGDState(
-            process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2
+            process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=POWERSGD_START_ITER
         )
         hook = powerSGD_hook.powerSGD_hook
         if dist.get_backend(group) == "gloo":

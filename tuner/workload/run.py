@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tuner.config import Config
 from tuner.devices import alloc_env, describe, is_oom, peak_tflops, synchronize
 from tuner.memory import (
     HeldMemory,
@@ -54,6 +55,7 @@ from tuner.recipe import MeasureSpec
 from tuner.record.status import ERROR, OK, OOM
 from tuner.result import TrialResult, TrialSpec
 from tuner.workload.adaptive import Measurement, Plan
+from tuner.workload.apply import first_steady_step
 from tuner.workload.flops import flops_per_step
 from tuner.workload.parallel import RankEnv, set_rank_threads
 from tuner.workload.precision import matmul_dtype_name
@@ -169,7 +171,7 @@ def plan_of(m: MeasureSpec, spec: TrialSpec | None = None, tokens_per_step: int 
     """The recipe's measure section as a plan, with what the study told this trial (`spec`, whose
     throughput lines become step times of `tokens_per_step` tokens): its own target replaces the
     recipe's where both are set (a recipe without a target measures a fixed number of steps,
-    re-measurements too)."""
+    re-measurements too). Warm-up holds the config's once-only steps (`first_steady_step`)."""
     cap = float(os.environ.get("TUNER_TEST_MEASURE_MAX_S") or "inf")
     spec = spec or TrialSpec(recipe={}, config={}, family="cpu", workdir="")
 
@@ -185,6 +187,7 @@ def plan_of(m: MeasureSpec, spec: TrialSpec | None = None, tokens_per_step: int 
         slower_than_s=step_time(spec.slower_than_tokens_per_s),
         behind_s=step_time(spec.behind_tokens_per_s),
         behind_ci=spec.behind_ci,
+        min_warmup=first_steady_step(Config.from_params(spec.config)),
     )
 
 
