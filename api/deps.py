@@ -27,7 +27,11 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": the transaction commits when the route returns, before the response is sent.
+# FastAPI's default for a dependency with yield (since 0.121) ends it after the response, so a
+# client could read the 202 of a new job, follow its Location and get 404 (it did, in CI), a
+# failed commit still answered 202, and an event stream held its session open while it ran.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `tuner token create --name NAME`.")
 _Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

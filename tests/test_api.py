@@ -57,6 +57,58 @@ def auth(client, url):
     return {"Authorization": f"Bearer {token}"}
 
 
+def test_a_new_job_is_stored_before_its_202_reaches_the_client(tmp_path, monkeypatch):
+    # A real server: a client that reads the 202 follows the job's Location at once. With the
+    # transaction committed after the response was sent, that GET answered 404 (a CI run of the
+    # browser tests). Every commit is slowed here, so the race is certain, not occasional.
+    import socket
+    import sqlite3
+    import threading
+
+    import httpx
+    import uvicorn
+    from sqlalchemy.orm import Session
+
+    db = tmp_path / "tuner.db"
+    url = f"sqlite:///{db}"
+    app = create_app(Settings(database_url=url, max_trials=50, max_timeout_min=60))
+    commit = Session.commit
+
+    def slow_commit(self):
+        time.sleep(0.5)
+        commit(self)
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:  # the lifespan migrates the database first
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        with session_scope(url) as s:
+            token = create_token(s, "tester")
+        monkeypatch.setattr(Session, "commit", slow_commit)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/jobs", content=TINY, timeout=30,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/yaml"},
+        )  # fmt: skip
+        assert r.status_code == 202, r.text
+        with sqlite3.connect(db) as raw:
+            stored = [row[0] for row in raw.execute("SELECT id FROM jobs")]
+        assert stored == [r.json()["id"]]
+        followed = httpx.get(
+            f"http://127.0.0.1:{port}{r.headers['location']}", headers={"Authorization": f"Bearer {token}"}
+        )
+        assert followed.status_code == 200 and followed.json()["state"] == "queued"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def _submit(client, auth, text: str = TINY, content_type: str = "application/yaml"):
     return client.post("/v1/jobs", content=text, headers={**auth, "Content-Type": content_type})
 
