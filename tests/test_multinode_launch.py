@@ -80,8 +80,10 @@ def test_launch_sh_of_a_two_node_winner_runs_once_per_node_and_reproduces_it(tmp
     assert not (tmp_path / "machine1" / "run" / "result.json").exists()
     assert again["losses"] == pytest.approx(measured.losses, abs=1e-5)
     # Same config, same machine: the throughput comes back within the noise of a loaded 2-core box.
+    # Six steps of a 2-layer model there differ by up to about 2x from run to run (a CI run:
+    # 2.02x); a script that trained another layout would already differ in its losses (above).
     ratio = again["tokens_per_s"] / measured.tokens_per_s
-    assert 0.5 < ratio < 2.0, ratio
+    assert 0.4 < ratio < 2.5, ratio
 
 
 def test_the_launcher_refuses_to_run_orphaned(tmp_path):
