@@ -231,14 +231,29 @@ def repeat(args) -> dict[str, Any]:
             "load_avg_1min": round(os.getloadavg()[0], 1)}  # fmt: skip
 
 
+def plain_spec(recipe, workdir: str, tag: str, **fields: Any):
+    """A trial of the recipe's plain config (data parallel over its devices), as `tuner measure`
+    starts it; `fields`: more `TrialSpec` fields (a target interval, ...)."""
+    from tuner.config import Config
+    from tuner.devices import resolve_family
+    from tuner.result import TrialSpec
+
+    return TrialSpec(
+        recipe=recipe.to_dict(),
+        config=Config(dp=recipe.hardware.devices).to_dict(),
+        family=resolve_family(recipe.hardware.device),
+        workdir=workdir,
+        timeout_s=recipe.measure.timeout_s,
+        tag=tag,
+        **fields,
+    )
+
+
 def pair(args) -> list[dict[str, Any]]:
     """The recipe's plain config, warm and cold start alternately (`--repeats` times each) through
     the local runner: where a trial's overhead goes with and without the helper."""
-    from tuner.config import Config
-    from tuner.devices import resolve_family
     from tuner.executors.local import prestart_helper, run_trial
     from tuner.recipe import load_recipe
-    from tuner.result import TrialSpec
 
     recipe = load_recipe(args.recipe)
     prestart_helper()
@@ -246,14 +261,7 @@ def pair(args) -> list[dict[str, Any]]:
     rows = []
     for i in range(args.repeats):
         for warm_on in ("1", "0"):
-            spec = TrialSpec(
-                recipe=recipe.to_dict(),
-                config=Config(dp=recipe.hardware.devices).to_dict(),
-                family=resolve_family(recipe.hardware.device),
-                workdir=f"{tmp}/{i}-{warm_on}",
-                timeout_s=recipe.measure.timeout_s,
-                tag=f"{i}-{warm_on}",
-            )
+            spec = plain_spec(recipe, f"{tmp}/{i}-{warm_on}", f"{i}-{warm_on}")
             r = run_trial(spec, env={"TUNER_WARM_START": warm_on})
             timeline = r.extra.get("timeline", {})
             rows.append(

@@ -14,6 +14,9 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/measurement.py
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-ci", type=float, default=0.05)
     args = ap.parse_args(argv)
 
-    from tuner.config import Config
-    from tuner.devices import resolve_family
+    from measurement import plain_spec
+
     from tuner.executors.local import prestart_helper, run_trial
     from tuner.recipe import load_recipe
-    from tuner.result import TrialSpec
 
     recipe = load_recipe(args.recipe)
     prestart_helper()
@@ -42,16 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.runs):
                 if mode == "after_gap":
                     time.sleep(args.gap)
-                spec = TrialSpec(
-                    recipe=recipe.to_dict(),
-                    config=Config(dp=recipe.hardware.devices).to_dict(),
-                    family=resolve_family(recipe.hardware.device),
-                    workdir=f"{tmp}/{i}",
-                    timeout_s=recipe.measure.timeout_s,
-                    tag=f"gap-{i}",
-                    target_ci=args.target_ci,
-                )
-                r = run_trial(spec)
+                r = run_trial(plain_spec(recipe, f"{tmp}/{i}", f"gap-{i}", target_ci=args.target_ci))
                 i += 1
                 out[mode].append(r.tokens_per_s)
                 print(
