@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
-    prestart_helper()
-    time.sleep(8)  # the helper imports torch
+    prestart_helper()  # the first trial waits until it has imported torch
     tmp = tempfile.mkdtemp(prefix="tuner-measure-gap-")
     out: dict[str, list[float]] = {"back_to_back": [], "after_gap": []}
     i = 0
