@@ -27,6 +27,7 @@ import yaml
 from fastapi.testclient import TestClient
 from optuna.trial import TrialState
 
+import tuner.perf.priors
 from tuner.config import Config, infeasible_reasons
 from tuner.devices import describe
 from tuner.executors.base import Executor
@@ -157,6 +158,27 @@ def test_memory_bound_kernels_keep_a_fast_dtype_from_speeding_up_the_step_by_its
     full = step_work(recipe, Config(dp=2, micro_batch_size=8, recompute="full"), CPU)
     flash = step_work(recipe, Config(dp=2, micro_batch_size=8, attention="flash"), CPU)
     assert full.mem_bytes_micro > works[0].mem_bytes_micro > flash.mem_bytes_micro
+
+
+def test_a_cpu_without_bf16_units_starts_bf16_at_its_measured_conversion_speed(monkeypatch):
+    # One thread's F.linear as measured on a Zen 3 (no AVX512-BF16): fp32 53, bf16 10.4, fp16
+    # 11.0 GFLOP/s; there an O1 or O2 gpt-tiny step ran at 0.11-0.12x the fp32 one (7,422 against
+    # 823-925 tokens/s). Started at the fp32 peak the priors put it at 0.63-0.67x, and the model
+    # sampler spent a trial on it.
+    measured = {"fp32": 0.0532, "bf16": 0.0104, "fp16": 0.0110}
+    monkeypatch.setattr(tuner.perf.priors, "peak_tflops", lambda device, dtype, threads: measured[dtype])
+    priors = tuner.perf.priors.device_priors(CPU)
+    assert priors.peak_flops == pytest.approx({d: v * 1e12 for d, v in measured.items()})
+    recipe = recipe_from_dict(tiny())
+    configs = [
+        Config(dp=2, micro_batch_size=8, amp=a, amp_dtype=d)
+        for a, d in [("O0", "bf16"), ("O1", "bf16"), ("O2", "fp16")]
+    ]
+    works = [step_work(recipe, c, CPU) for c in configs]
+    step = np.exp(predict_log(prior(priors)[0], features(works, configs, priors)))
+    assert np.all(step[0] / step[1:] < 0.25), (
+        f"low precision predicted at {step[0] / step[1:]} of fp32's speed"
+    )
 
 
 def test_fit_recovers_known_coefficients_and_its_interval_covers_held_back_points():

@@ -14,8 +14,10 @@ from tuner.devices import DeviceInfo, peak_tflops
 # autocast's training steps (casts, small per-op kernels) reach about half of it: fitted to each
 # of the four gpt tables whole, -0.43, -0.61, -0.64 and -2.0 (the last a Sapphire Rapids, whose
 # AMX matmul is 8.5x fp32); with each table left out in turn, the other three's median is -0.61
-# to -0.64 (BENCHMARKS section 11). A CPU without bf16 units starts the dtype at the fp32 peak
-# (`device_priors`), where autocast's conversions make it slower still. Accelerators' autocast
+# to -0.64 (BENCHMARKS section 11). A CPU without bf16 units measures the same lone F.linear,
+# its conversions through fp32 included (`device_priors`): on a Zen 3 its O1/O2 gpt-tiny steps
+# reach an MFU of 0.32 against that peak where fp32 steps reach 0.49 of theirs (-0.45 in log),
+# close to the same prior. Accelerators' autocast
 # runs the tensor cores their datasheet's peak is for: 0, the efficiency covers the rest.
 CPU_LOG_AUTOCAST = -0.6
 
@@ -82,10 +84,15 @@ class DevicePriors:
 def device_priors(device: DeviceInfo) -> DevicePriors:
     """Priors for `device` (on CPU, one thread's peak: ranks split the cores between them)."""
     eff, half, bw, lat, host, cross, mem_bw, p2p = _PRIORS.get(device.family, _PRIORS["cuda"])
-    # The datasheet's peak, or one thread's measured matmul (cached per machine and torch). A
-    # low-precision dtype without native units (DeviceInfo.fast_dtypes) starts at the fp32 peak:
-    # its lone matmul measures an unfused conversion path that autocast's kernels do not take.
-    dtypes = ("fp32", *device.fast_dtypes, *(("tf32",) if device.supports_tf32 else ()))
+    # The datasheet's peak, or one thread's measured matmul (cached per machine and torch). On a
+    # CPU every dtype autocast runs is measured, native units or not: without them (no
+    # AVX512-BF16/AMX, `DeviceInfo.fast_dtypes`) the lone F.linear converts through fp32 as
+    # autocast's training matmuls do, and sets their speed (a Zen 3: bf16 linear 0.19x fp32, an
+    # O1 or O2 gpt-tiny step 0.12x; started at the fp32 peak the model put that step at 0.66x,
+    # BENCHMARKS section 11). An accelerator without native units has no datasheet figure for the
+    # dtype and starts it at the fp32 peak.
+    native = device.amp_dtypes if device.family == "cpu" else device.fast_dtypes
+    dtypes = ("fp32", *native, *(("tf32",) if device.supports_tf32 else ()))
     peaks = {d: peak_tflops(device, d, 1) * 1e12 for d in dtypes}
     for dtype in device.amp_dtypes:
         peaks.setdefault(dtype, peaks["fp32"])
