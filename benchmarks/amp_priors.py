@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.executors.local import prestart_helper, run_trial
     from tuner.perf.predictor import Predictor
     from tuner.recipe import load_recipe
+    from tuner.record.status import OK
     from tuner.result import TrialSpec
 
     recipe = load_recipe(args.recipe)
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                     workdir=f"{tmp}/{r}-{i}", timeout_s=recipe.measure.timeout_s, tag=f"amp-{r}-{i}",
                 )  # fmt: skip
                 res = run_trial(spec)
-                if res.status == "ok":
+                if res.status == OK:
                     measured[i].append(res.tokens_per_s)
                 print(
                     f"  round {r + 1} {configs[i].amp} {levels[i][1] or ''}: {res.status} {res.tokens_per_s}",
