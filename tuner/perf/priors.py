@@ -17,8 +17,8 @@ from tuner.devices import DeviceInfo, peak_tflops
 # to -0.64 (BENCHMARKS section 11). A CPU without bf16 units measures the same lone F.linear,
 # its conversions through fp32 included (`device_priors`): on a Zen 3 its O1/O2 gpt-tiny steps
 # reach an MFU of 0.32 against that peak where fp32 steps reach 0.49 of theirs (-0.45 in log),
-# close to the same prior. Accelerators' autocast
-# runs the tensor cores their datasheet's peak is for: 0, the efficiency covers the rest.
+# close to the same prior. Accelerators' autocast runs the tensor cores their datasheet's peak
+# is for: 0, the efficiency covers the rest.
 CPU_LOG_AUTOCAST = -0.6
 
 # (efficiency, half-efficiency tokens, bandwidth bytes/s, latency s per collective, host s per
@@ -88,11 +88,11 @@ def device_priors(device: DeviceInfo) -> DevicePriors:
     # CPU every dtype autocast runs is measured, native units or not: without them (no
     # AVX512-BF16/AMX, `DeviceInfo.fast_dtypes`) the lone F.linear converts through fp32 as
     # autocast's training matmuls do, and sets their speed (a Zen 3: bf16 linear 0.19x fp32, an
-    # O1 or O2 gpt-tiny step 0.12x; started at the fp32 peak the model put that step at 0.66x,
-    # BENCHMARKS section 11). An accelerator without native units has no datasheet figure for the
-    # dtype and starts it at the fp32 peak.
-    native = device.amp_dtypes if device.family == "cpu" else device.fast_dtypes
-    dtypes = ("fp32", *native, *(("tf32",) if device.supports_tf32 else ()))
+    # O1 or O2 gpt-tiny step 0.09-0.12x; started at the fp32 peak the model put that step at
+    # 0.63-0.67x, BENCHMARKS section 11). An accelerator without native units has no datasheet
+    # figure for the dtype and starts it at the fp32 peak.
+    measured = device.amp_dtypes if device.family == "cpu" else device.fast_dtypes
+    dtypes = ("fp32", *measured, *(("tf32",) if device.supports_tf32 else ()))
     peaks = {d: peak_tflops(device, d, 1) * 1e12 for d in dtypes}
     for dtype in device.amp_dtypes:
         peaks.setdefault(dtype, peaks["fp32"])
