@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     device = describe(resolve_family(recipe.hardware.device))
     knobs = parse_sets(args.set)
     levels = [("O0", None)] + [(amp, d) for d in device.amp_dtypes for amp in ("O1", "O2")]
-    amp = [{"amp": a, **({"amp_dtype": d} if d else {})} for a, d in levels]
-    configs = [default_config(recipe.hardware.devices, {**knobs, **level}) for level in amp]
+    names = [amp if d is None else f"{amp}-{d}" for amp, d in levels]
+    configs = [
+        default_config(recipe.hardware.devices, {**knobs, "amp": amp, **({"amp_dtype": d} if d else {})})
+        for amp, d in levels
+    ]
     predictor = Predictor(device)
     predicted = predictor.predict(recipe, configs).tokens_per_s
     peaks = {d: round(v / 1e9, 1) for d, v in predictor.priors.peak_flops.items()}
@@ -60,10 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_trial(spec)
                 if res.status == OK:
                     measured[i].append(res.tokens_per_s)
-                print(
-                    f"  round {r + 1} {configs[i].amp} {levels[i][1] or ''}: {res.status} {res.tokens_per_s}",
-                    flush=True,
-                )
+                print(f"  round {r + 1} {names[i]}: {res.status} {res.tokens_per_s}", flush=True)
     rows = []
     fp32 = statistics.median(measured[0]) if measured[0] else None
     for i, (amp, dtype) in enumerate(levels):
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         })  # fmt: skip
     print("| level | predicted tokens/s | measured | predicted/measured | measured/fp32 | predicted/fp32 |")
     print("|---|---:|---:|---:|---:|---:|")
-    for row in rows:
-        name = row["amp"] + (f"-{row['amp_dtype']}" if row["amp_dtype"] else "")
+    for name, row in zip(names, rows, strict=True):
         print(f"| {name} | {row['predicted']:,.0f} | {row['measured'] or 0:,.0f} | {row['predicted_over_measured']} "
               f"| {row['measured_over_fp32']} | {row['predicted_over_fp32']} |")  # fmt: skip
     if args.json:
