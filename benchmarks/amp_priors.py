@@ -30,22 +30,29 @@ def main(argv: list[str] | None = None) -> int:
 
     from tuner.cli.common import parse_sets
     from tuner.cli.measure import default_config
+    from tuner.config import ConfigError
     from tuner.devices import describe, resolve_family
     from tuner.executors.local import prestart_helper, run_trial
     from tuner.perf.predictor import Predictor
-    from tuner.recipe import load_recipe
+    from tuner.recipe import RecipeError, load_recipe
     from tuner.record.status import OK
     from tuner.result import TrialSpec
 
-    recipe = load_recipe(args.recipe)
+    try:
+        recipe = load_recipe(args.recipe)
+    except RecipeError as err:
+        ap.error(str(err))
     device = describe(resolve_family(recipe.hardware.device))
     knobs = parse_sets(args.set)
     levels = [("O0", None)] + [(amp, d) for d in device.amp_dtypes for amp in ("O1", "O2")]
     names = [amp if d is None else f"{amp}-{d}" for amp, d in levels]
-    configs = [
-        default_config(recipe.hardware.devices, {**knobs, "amp": amp, **({"amp_dtype": d} if d else {})})
-        for amp, d in levels
-    ]
+    try:
+        configs = [
+            default_config(recipe.hardware.devices, {**knobs, "amp": amp, **({"amp_dtype": d} if d else {})})
+            for amp, d in levels
+        ]
+    except ConfigError as err:
+        ap.error(f"--set: {err}")
     predictor = Predictor(device)
     predicted = predictor.predict(recipe, configs).tokens_per_s
     peaks = {d: round(v / 1e9, 1) for d, v in predictor.priors.peak_flops.items()}
