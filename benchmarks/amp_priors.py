@@ -17,10 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cli_args import recipe_path
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe")
+    ap.add_argument("recipe", type=recipe_path)
     ap.add_argument(
         "--set", action="append", default=[], metavar="KNOB=VALUE", help="as `tuner measure --set`"
     )
@@ -34,14 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.devices import describe, resolve_family
     from tuner.executors.local import prestart_helper, run_trial
     from tuner.perf.predictor import Predictor
-    from tuner.recipe import RecipeError, load_recipe
+    from tuner.recipe import load_recipe
     from tuner.record.status import OK
     from tuner.result import TrialSpec
 
-    try:
-        recipe = load_recipe(args.recipe)
-    except RecipeError as err:
-        ap.error(str(err))
+    recipe = load_recipe(args.recipe)
     device = describe(resolve_family(recipe.hardware.device))
     knobs = parse_sets(args.set)
     levels = [("O0", None)] + [(amp, d) for d in device.amp_dtypes for amp in ("O1", "O2")]

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli_args import recipe_path
+
 BASE = {
     "micro_batch_size": 1,
     "attention": "flash",
@@ -115,7 +117,9 @@ def _dry_run(recipe, device_name: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe", nargs="?", default="recipes/llama3-8b.yaml", help="recipe YAML")
+    ap.add_argument(
+        "recipe", type=recipe_path, nargs="?", default="recipes/llama3-8b.yaml", help="recipe YAML"
+    )
     ap.add_argument("--layers", type=int, default=4, help="decoder layers to keep (one GPU must hold them)")
     ap.add_argument("--max-minutes", type=float, default=7.5, help="start no trial after this")
     ap.add_argument("--out", default="benchmarks/results/cuda.csv", help="CSV to write")

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli_args import recipe_path
+
 from tuner.config import Config
 from tuner.devices import resolve_family
 from tuner.executors.base import Executor
@@ -61,7 +63,7 @@ def overheads(results: list[TrialResult]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("recipe", help="recipe file, e.g. recipes/gpt-tiny.yaml")
+    parser.add_argument("recipe", type=recipe_path, help="recipe file, e.g. recipes/gpt-tiny.yaml")
     parser.add_argument("--repeats", type=int, default=3, help="trials per executor for the overhead")
     parser.add_argument("--trials", type=int, default=4, help="1-rank trials for the concurrency speedup")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray runtime")

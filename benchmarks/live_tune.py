@@ -23,11 +23,12 @@ import tempfile
 import time
 
 import optuna
+from cli_args import recipe_path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe")
+    ap.add_argument("recipe", type=recipe_path)
     ap.add_argument("--trials", type=int, default=16)
     ap.add_argument("--executor", choices=("local", "ray"), default="local")
     ap.add_argument("--seed", type=int, default=0)

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli_args import recipe_path
+
 from tuner.config import KNOBS, Config
 from tuner.devices import describe, resolve_family
 from tuner.estimate import budget_bytes, estimate
@@ -115,7 +117,7 @@ def _aggregate(config: Config, results: list, est: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe", help="recipe with the table's space in search.overrides")
+    ap.add_argument("recipe", type=recipe_path, help="recipe with the table's space in search.overrides")
     ap.add_argument("--out", required=True, help="CSV to write (resumed if it exists)")
     ap.add_argument("--repeats", type=int, default=2, help="measurements per config (default 2)")
     ap.add_argument("--limit", type=int, default=None, help="measure only the first N configs")

@@ -38,6 +38,8 @@ import tempfile
 import time
 from typing import Any
 
+from cli_args import recipe_path
+
 CONDITIONS = {
     # name: (executor, warm start, adaptive measurement, top configs re-measured)
     "before": ("local", False, False, 3),
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     s = sub.add_parser("studies", help="12-trial studies under each condition")
-    s.add_argument("recipe")
+    s.add_argument("recipe", type=recipe_path)
     s.add_argument("--trials", type=int, default=12)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--ray-cpus", type=int, default=2)
@@ -299,13 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         "compared on the same trials rather than on each search's own path",
     )
     r = sub.add_parser("repeat", help="one config measured several times with `tuner measure`")
-    r.add_argument("recipe")
+    r.add_argument("recipe", type=recipe_path)
     r.add_argument("--times", type=int, default=5)
     r.add_argument(
         "--set", action="append", default=[], metavar="KNOB=VALUE", help="as `tuner measure --set`"
     )
     w = sub.add_parser("pair", help="the plain config, warm and cold start alternately")
-    w.add_argument("recipe")
+    w.add_argument("recipe", type=recipe_path)
     w.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
     result = {"studies": studies, "repeat": repeat, "pair": pair}[args.what](args)

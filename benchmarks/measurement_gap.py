@@ -18,10 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/measurement.py
 
+from cli_args import recipe_path  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe")
+    ap.add_argument("recipe", type=recipe_path)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--runs", type=int, default=3, help="trials per block")
     ap.add_argument("--gap", type=float, default=1.5, help="idle seconds before each trial of a paused block")

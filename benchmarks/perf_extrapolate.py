@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from cli_args import recipe_path
 
 from tuner.config import Config
 from tuner.devices import describe
@@ -100,7 +101,7 @@ def _predict(base, device, fit: list[dict], four: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe")
+    ap.add_argument("recipe", type=recipe_path)
     ap.add_argument("--out", default=None, help="write every measurement and prediction here (JSON)")
     ap.add_argument(
         "--refit",

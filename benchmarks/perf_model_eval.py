@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cli_args import table_path  # noqa: E402
 from make_table import read_table, table_priors  # noqa: E402
 
 from tuner.config import KNOBS, Config  # noqa: E402
@@ -149,7 +150,7 @@ def residuals(path: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("table", help="CSV written by benchmarks/make_table.py")
+    ap.add_argument("table", type=table_path, help="CSV written by benchmarks/make_table.py")
     ap.add_argument("--seeds", type=int, default=30)
     ap.add_argument("--train", type=int, default=5, help="measured configs the model is fitted to")
     ap.add_argument("--residuals", action="store_true", help="fit every config; report what the model misses")

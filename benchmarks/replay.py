@@ -41,6 +41,7 @@ import optuna
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cli_args import table_path  # noqa: E402
 from make_table import read_table  # noqa: E402
 
 from tuner.baseline import baseline_config  # noqa: E402
@@ -335,7 +336,7 @@ def draw(curves: dict, path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("table", help="CSV written by benchmarks/make_table.py")
+    ap.add_argument("table", type=table_path, help="CSV written by benchmarks/make_table.py")
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--budget", type=int, default=60, help="device runs per strategy and seed")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))

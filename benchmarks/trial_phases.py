@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli_args import recipe_path
+
 from tuner.config import Config
 from tuner.devices import describe
 from tuner.estimate import budget_bytes, estimate
@@ -73,7 +75,7 @@ def phases(recipe, config: Config, workdir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe")
+    ap.add_argument("recipe", type=recipe_path)
     ap.add_argument("--repeats", type=int, default=1, help="rounds over the configs")
     ap.add_argument("--json", action="store_true", help="one JSON object per trial")
     args = ap.parse_args(argv)
