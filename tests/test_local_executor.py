@@ -231,8 +231,9 @@ def test_the_helper_prepares_inductor_for_the_first_trial_that_compiles(standin)
 
     warm.shared_helper(local.trial_env()).close()  # a helper of this test's own, prepared for nothing
     script = standin / "standin_rank.py"
-    probe = "import threading\nfrom torch._inductor import cpu_vec_isa\n"
-    probe += "print('probed', cpu_vec_isa.valid_vec_isa_list.cache_info().currsize, 'threads', threading.active_count())\n"
+    probe = "import threading\nfrom torch._inductor import codecache, cpu_vec_isa\n"
+    probe += "print('probed', cpu_vec_isa.valid_vec_isa_list.cache_info().currsize, 'headers', "
+    probe += "codecache._precompile_header.cache_info().currsize, 'threads', threading.active_count())\n"
     script.write_text(probe + STANDIN)
     runs = {
         "plain": run_trial(make_spec(standin, "plain")),
@@ -242,9 +243,27 @@ def test_the_helper_prepares_inductor_for_the_first_trial_that_compiles(standin)
     }
     assert [r.extra["start"] for r in runs.values()] == ["warm", "warm", "warm", "cold"]
     # Forking stays safe: the probe leaves the helper with one thread, which each rank inherits.
+    # And the precompiled header's check (g++ on its includes, about 0.2 s a process) is done: a
+    # rank that loads a cached C++ kernel does not repeat it.
     expect = {"plain": 0, "compiled": 1, "after": 1, "cold": 0}
     for name, r in runs.items():
-        assert r.log_tail.count(f"probed {expect[name]} threads 1") == 2, (name, r.log_tail)
+        line = f"probed {expect[name]} headers {expect[name]} threads 1"
+        assert r.log_tail.count(line) == 2, (name, r.log_tail)
+
+
+def test_the_helper_imports_the_callers_tuner_from_any_working_directory(standin, monkeypatch):
+    """Run from a directory that holds another `tuner` package (a second checkout), trials still
+    start warm: the helper imports the caller's tuner, not the working directory's."""
+    from tuner.executors import warm
+
+    other = standin / "checkout"
+    (other / "tuner").mkdir(parents=True)
+    (other / "tuner" / "__init__.py").write_text("raise ImportError('the working directory tuner')\n")
+    monkeypatch.chdir(other)
+    warm.shared_helper(local.trial_env()).close()  # the next trial starts a helper from here
+    r = run_trial(make_spec(standin, "elsewhere"))
+    assert r.status == "ok"
+    assert r.extra["start"] == "warm", r.extra["start"]
 
 
 def test_port_clash_is_retried_once(standin):
