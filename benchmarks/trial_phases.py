@@ -4,11 +4,18 @@ Runs a few configs of a recipe through `tuner.executors.local.run_trial` (the wa
 `tuner measure` and the local executor do) and splits each trial's wall time into: until rank 0
 printed its first line (the training built), the warm-up steps, the measured steps, and from the
 last measured step until the last rank exited (the held-memory step when it is not a warm-up
-step, the reports, teardown), plus the launcher's reaping. Run it from two trees with PYTHONPATH
-to compare code versions on the same machine, alternating:
+step, the reports, teardown), plus the launcher's reaping. `--compile default` runs the same
+configs compiled (the first round compiles whatever the Inductor cache lacks; later rounds show a
+cached compiled trial's cost).
 
     python benchmarks/trial_phases.py recipes/gpt-tiny.yaml --repeats 2
-    PYTHONPATH=/path/to/other/tree python benchmarks/trial_phases.py recipes/gpt-tiny.yaml --json
+    python benchmarks/trial_phases.py recipes/gpt-tiny.yaml --compile default --repeats 3
+
+To compare code versions on the same machine, alternate trees with PYTHONPATH, from a directory
+outside both (a tree's helper before commit 708c524 imported the working directory's `tuner`):
+
+    cd /tmp && PYTHONPATH=/path/to/tree python /path/to/tree/benchmarks/trial_phases.py \
+        /path/to/tree/recipes/gpt-tiny.yaml --json
 
 The first trial of a run starts the warm helper, so its start is not warm.
 """
@@ -24,7 +31,7 @@ from pathlib import Path
 
 from cli_args import recipe_path
 
-from tuner.config import Config
+from tuner.config import KNOBS, Config
 from tuner.devices import describe
 from tuner.estimate import budget_bytes, estimate
 from tuner.executors.local import run_trial
@@ -78,12 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("recipe", type=recipe_path)
     ap.add_argument("--repeats", type=int, default=1, help="rounds over the configs")
     ap.add_argument("--json", action="store_true", help="one JSON object per trial")
+    ap.add_argument(
+        "--compile",
+        default="none",
+        choices=KNOBS["compile"].choices,
+        help="torch.compile mode of every config",
+    )
     args = ap.parse_args(argv)
     recipe = load_recipe(args.recipe)
     tmp = tempfile.mkdtemp(prefix="tuner-phases-")
     for rep in range(args.repeats):
         for i, params in enumerate(CONFIGS):
-            row = phases(recipe, Config(**params), f"{tmp}/r{rep}-c{i}")
+            row = phases(recipe, Config(**params, compile=args.compile), f"{tmp}/r{rep}-c{i}")
             if args.json:
                 print(json.dumps(row), flush=True)
                 continue
