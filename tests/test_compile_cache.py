@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -63,3 +64,61 @@ def test_a_compiled_graph_is_reused_only_under_the_same_attention_kernel(tmp_pat
     # joint graph was traced again in every compiled trial.
     plain = compile_once(tmp_path, "math", marked=False)
     assert plain["cache"].get("autograd_cache_bypass") == 1, plain
+
+
+# A tensor-parallel module (DTensor weights on a 1-rank gloo "tp" mesh), compiled, forward and
+# backward; prints Inductor's FX graph cache counters. `tuner`: the rank-side module that every
+# trial's ranks import first (`tuner.workload.parallel`) is imported before the mesh is built.
+TP_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+    import torch, torch.distributed as dist
+    if sys.argv[2] == "tuner":
+        import tuner.workload.parallel
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    torch.compile(model)(torch.randn(4, 16)).sum().backward()
+    dist.destroy_process_group()
+    print(json.dumps(dict(counters["inductor"])))
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compile_tp_once(cache_dir, mode: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", TP_CHILD, str(_free_port()), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_tensor_parallel_graph_compiled_in_one_process_is_found_by_the_next(tmp_path):
+    """A device mesh's cached Python hash is pickled into the key of every graph with DTensor
+    inputs; torch's own is per interpreter, so without tuner's content hash a tp graph never
+    matched another process's entry (each study, each new warm helper compiled it again)."""
+    first = compile_tp_once(tmp_path / "tuner", "tuner")
+    assert first.get("fxgraph_cache_miss") == 2, first  # forward and backward
+    again = compile_tp_once(tmp_path / "tuner", "tuner")
+    assert again.get("fxgraph_cache_hit") == 2 and not again.get("fxgraph_cache_miss"), again
+    # Torch alone, for contrast: the second process misses what the first one saved.
+    compile_tp_once(tmp_path / "plain", "plain")
+    plain = compile_tp_once(tmp_path / "plain", "plain")
+    assert plain.get("fxgraph_cache_miss") == 2 and not plain.get("fxgraph_cache_hit"), plain

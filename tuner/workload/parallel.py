@@ -12,6 +12,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
+def _mesh_hash(self: DeviceMesh) -> int:
+    """`DeviceMesh.__hash__` from its content alone (torch's own `_stable_hash`, the digest of the
+    same key its hash uses), the same in every process."""
+    if not getattr(self, "_hash", None):
+        self._hash = int(self._stable_hash()[:16], 16) - (1 << 63) or 1
+    return self._hash
+
+
+# A device mesh caches its Python hash in `_hash`, which Inductor's FX graph cache pickles into
+# the key of every graph with DTensor inputs: a hash of strings (randomized per interpreter) and,
+# on Python 3.11, of None (its address). So a tensor-parallel compiled graph never matched
+# another process's cache entry: every study, and every new warm helper, compiled its tp graphs
+# again (gpt-tiny tp=2: 4 s more warm-up per trial on a 2-core Zen 2; BENCHMARKS section 8). From
+# content alone, equal meshes still hash equal, in every process. A torch without `_stable_hash`
+# keeps its own hash.
+if hasattr(DeviceMesh, "_stable_hash"):
+    DeviceMesh.__hash__ = _mesh_hash  # type: ignore[method-assign]
+
+
 @dataclass
 class ParallelDims:
     """The one owner of dp/tp/pp (torchtitan style); nothing else re-derives them.
