@@ -36,17 +36,18 @@ CHILD = textwrap.dedent(
 )
 
 
-def compile_once(cache_dir, backend: str, marked: bool = True) -> dict:
+def run_child(script: str, cache_dir, *args: str) -> dict:
+    """Run `script` in a fresh interpreter over the Inductor cache `cache_dir`; its last line's JSON."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, backend, "marked" if marked else "plain"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compile_once(cache_dir, backend: str, marked: bool = True) -> dict:
+    return run_child(CHILD, cache_dir, backend, "marked" if marked else "plain")
 
 
 def test_a_compiled_graph_is_reused_only_under_the_same_attention_kernel(tmp_path):
@@ -98,16 +99,7 @@ def _free_port() -> int:
 
 
 def compile_tp_once(cache_dir, mode: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", TP_CHILD, str(_free_port()), mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(TP_CHILD, cache_dir, str(_free_port()), mode)
 
 
 def test_a_tensor_parallel_graph_compiled_in_one_process_is_found_by_the_next(tmp_path):
