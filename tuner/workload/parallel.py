@@ -24,7 +24,8 @@ def _mesh_hash(self: DeviceMesh) -> int:
 # the key of every graph with DTensor inputs: a hash of strings (randomized per interpreter) and,
 # on Python 3.11, of None (its address). So a tensor-parallel compiled graph never matched
 # another process's cache entry: every study, and every new warm helper, compiled its tp graphs
-# again (gpt-tiny tp=2: 4 s more warm-up per trial on a 2-core Zen 2; BENCHMARKS section 8). From
+# again (gpt-tiny tp=2: 4 s more warm-up in that first trial on a 2-core Zen 2; BENCHMARKS
+# section 8). From
 # content alone, equal meshes still hash equal, in every process. A torch without `_stable_hash`
 # keeps its own hash.
 if hasattr(DeviceMesh, "_stable_hash"):
