@@ -21,7 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli_args import recipe_path
+# The tests load this file with runpy, which does not put its folder on the import path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cli_args import recipe_path  # noqa: E402
 
 BASE = {
     "micro_batch_size": 1,
