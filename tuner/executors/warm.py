@@ -57,8 +57,8 @@ def prepare_compile() -> None:
     graph also hashes torch's sources for the cache keys (`torch_key`, about 0.15 s) and, before
     loading its first C++ kernel, preprocesses the precompiled header's includes with g++ to see
     whether the header is current (about 0.2 s; per process, per compiler command); loading a
-    no-op kernel here does that once. On a 2-core Zen 2, a forked process's first cached
-    compile went from 0.64-0.68 s to 0.23 s. Not at the helper's start: a study that never
+    no-op kernel here does that once (a cached compiled trial 0.2-0.8 s shorter on a 2-core
+    Zen 2, BENCHMARKS section 8). Not at the helper's start: a study that never
     compiles would wait for it before its first trial. It touches no device and starts no thread
     (the kernel is loaded, never run); a torch without these only loses the saving."""
     with contextlib.suppress(Exception):
