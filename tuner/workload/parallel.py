@@ -25,9 +25,8 @@ def _mesh_hash(self: DeviceMesh) -> int:
 # on Python 3.11, of None (its address). So a tensor-parallel compiled graph never matched
 # another process's cache entry: every study, and every new warm helper, compiled its tp graphs
 # again (gpt-tiny tp=2: 4 s more warm-up in that first trial on a 2-core Zen 2; BENCHMARKS
-# section 8). From
-# content alone, equal meshes still hash equal, in every process. A torch without `_stable_hash`
-# keeps its own hash.
+# section 8). From content alone, equal meshes still hash equal, in every process. A torch
+# without `_stable_hash` keeps its own hash.
 if hasattr(DeviceMesh, "_stable_hash"):
     DeviceMesh.__hash__ = _mesh_hash  # type: ignore[method-assign]
 
