@@ -3,7 +3,8 @@
 For each seed: fit the model (device-table priors + N measured configs drawn at random, one of
 each config's repeats) and predict every other config of the table. Reports, as medians over
 seeds: Spearman rank correlation of predicted and measured tokens/s, median |predicted/measured
-- 1|, and how often the measured value falls in the predicted 90% interval.
+- 1|, how often the measured value falls in the predicted 90% interval, and the log rms by which
+the fit misses the runs it was fitted to.
 
     python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny-2.csv --seeds 30 --train 5
     python benchmarks/perf_model_eval.py TABLE.csv --train 5 --json
@@ -21,6 +22,7 @@ prior sd), and the median log(predicted/measured) of each value of every knob th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -95,11 +97,15 @@ def evaluate(path: str, seeds: int, train: int) -> dict:
         p = predictor.predict(recipe, configs, cached)
         rest = np.array([i for i in range(len(rows)) if i not in set(picked)])
         pred, low, high, true = p.tokens_per_s[rest], p.tokens_low[rest], p.tokens_high[rest], truth[rest]
+        seen = np.array([o.tokens_per_s for o in fitted])
+        fitted_rms = float(np.sqrt(np.mean(np.log(p.tokens_per_s[picked] / seen) ** 2))) if train else 0.0
         per_seed.append(
             {
                 "spearman": spearman(pred, true),
                 "median_abs_error": float(np.median(np.abs(pred / true - 1))),
                 "coverage_90": float(np.mean((true >= low) & (true <= high))),
+                # How closely the fit follows the runs it was fitted to (log rms; 0 without any).
+                "fitted_rms": fitted_rms,
             }
         )
     out = {"table": Path(path).name, "seeds": seeds, "train": train, "configs": len(rows)}
@@ -148,19 +154,40 @@ def residuals(path: str) -> dict:
     }
 
 
+@contextlib.contextmanager
+def oracle_priors(path: str):
+    """Within the block, every fit starts from the prior means the table's whole-table fit
+    gives (it replaces `tuner.perf.fitting.prior`; the prior sds stay)."""
+    from tuner.perf import fitting
+
+    recipe, rows = table_observations(path)
+    theta = Predictor(describe("cpu"), priors_of(path)).fit([o for o, _ in rows]).time_fit.theta
+    device_prior = fitting.prior
+    fitting.prior = lambda priors: (theta.copy(), device_prior(priors)[1])
+    try:
+        yield
+    finally:
+        fitting.prior = device_prior
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("table", type=table_path, help="CSV written by benchmarks/make_table.py")
     ap.add_argument("--seeds", type=int, default=30)
     ap.add_argument("--train", type=int, default=5, help="measured configs the model is fitted to")
     ap.add_argument("--residuals", action="store_true", help="fit every config; report what the model misses")
+    ap.add_argument(
+        "--oracle-priors", action="store_true", help="start every fit from the table's own whole-table fit"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.residuals:
         out = residuals(args.table)
         print(json.dumps(out, indent=None if args.json else 1))
         return 0
-    result = evaluate(args.table, args.seeds, args.train)
+    with oracle_priors(args.table) if args.oracle_priors else contextlib.nullcontext():
+        result = evaluate(args.table, args.seeds, args.train)
+    result["priors"] = "oracle" if args.oracle_priors else "device"
     if args.json:
         print(json.dumps(result))
     else:
