@@ -160,7 +160,7 @@ def oracle_priors(path: str):
     gives (it replaces `tuner.perf.fitting.prior`; the prior sds stay)."""
     from tuner.perf import fitting
 
-    recipe, rows = table_observations(path)
+    _, rows = table_observations(path)
     theta = Predictor(describe("cpu"), priors_of(path)).fit([o for o, _ in rows]).time_fit.theta
     device_prior = fitting.prior
     fitting.prior = lambda priors: (theta.copy(), device_prior(priors)[1])
