@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,12 +30,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_s(pid: int) -> float:
@@ -118,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from seed import seed_job
 
     from tuner.db import session_scope
+    from tuner.executors.nodes import free_port
     from tuner.migrations import prepare_database
 
     tmp = tempfile.mkdtemp(prefix="tuner-api-load-")

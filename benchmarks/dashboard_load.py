@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the seeder of synthetic studies lives
 
 from seed import seed_job  # noqa: E402
 
+from tuner.executors.nodes import free_port  # noqa: E402
 from tuner.migrations import upgrade  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
@@ -46,12 +46,6 @@ ARGS = [
     "--no-first-run",
 ]
 ENDPOINTS = ("overview", "trials?size=50", "trials?size=50&sort=-tokens_per_s&status=ok", "plots", "plan")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_server(url: str, port: int) -> subprocess.Popen:
@@ -138,7 +132,7 @@ def _page_loads(url: str, job_id: int, reloads: int) -> tuple[list[Load], float]
     from playwright.sync_api import sync_playwright
 
     loads = []
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     job = f"{base}/ui/jobs/{job_id}"
     with sync_playwright() as p:
@@ -216,7 +210,7 @@ def main() -> None:
         reads = _reads(url, job_id)
         loads, plotly_s = _page_loads(url, job_id, args.reloads)
         # A server of its own, cold again, for the endpoint timings.
-        port = _free_port()
+        port = free_port()
         proc = _start_server(url, port)
         try:
             endpoints = _endpoints(f"http://127.0.0.1:{port}", job_id)

@@ -16,6 +16,7 @@ from sqlalchemy import insert
 from api import Settings, create_app
 from api.auth import create_token, revoke_token
 from tuner.db import Build, Job, add_event, get_engine, session_scope, utcnow
+from tuner.executors.nodes import free_port
 
 TINY = """\
 name: gpt-tiny
@@ -61,7 +62,6 @@ def test_a_new_job_is_stored_before_its_202_reaches_the_client(tmp_path, monkeyp
     # A real server: a client that reads the 202 follows the job's Location at once. With the
     # transaction committed after the response was sent, that GET answered 404 (a CI run of the
     # browser tests). Every commit is slowed here, so the race is certain, not occasional.
-    import socket
     import sqlite3
     import threading
 
@@ -78,9 +78,7 @@ def test_a_new_job_is_stored_before_its_202_reaches_the_client(tmp_path, monkeyp
         time.sleep(0.5)
         commit(self)
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 from test_db import fresh_pg_database
+
+from tuner.executors.nodes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +66,7 @@ class Server:
         return out.stdout.strip()
 
     def start(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.base = f"http://127.0.0.1:{port}"
         log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - the server owns it
         self.proc = subprocess.Popen(

@@ -10,7 +10,6 @@ import hashlib
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -23,6 +22,7 @@ from seed import seed_job, seed_study
 
 from api.auth import create_token
 from tuner.db import Build, Job, NightlyResult, add_event, session_scope, utcnow
+from tuner.executors.nodes import free_port
 from tuner.migrations import upgrade
 from tuner.record.reader import read_study
 
@@ -38,12 +38,6 @@ hardware: {device: cpu, devices: 1}
 search: {trials: 3, timeout_min: 10}
 measure: {warmup_steps: 1, steps: 2}
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +65,7 @@ def service(tmp_path_factory):
         ):
             s.add(NightlyResult(recipe_name="nightly-tiny", night=dt.date(2026, 11, day), fingerprint_hash=torch_version,
                                 fingerprint={**fp, "torch": torch_version}, best_tokens_per_s=best, verdict=verdict))  # fmt: skip
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "TUNER_DATABASE_URL": url,

@@ -19,10 +19,11 @@ import httpx
 import pytest
 from chromium import NEEDS_CHROMIUM
 from seed import seed_job, seed_study
-from test_browser_dashboard import _free_port, _shot
+from test_browser_dashboard import _shot
 
 from api.auth import create_token
 from tuner.db import Job, session_scope
+from tuner.executors.nodes import free_port
 from tuner.migrations import upgrade
 from tuner.record.reader import read_study
 from tuner.worker.wording import failure
@@ -77,7 +78,7 @@ def service(tmp_path_factory):
     seed_study(url, "gpt-few-trials-0123456789abcdef-seeded", 10, seed=6)
     with session_scope(url) as s:
         token = create_token(s, "browser")
-    port = _free_port()
+    port = free_port()
     serve_env = {
         **env,
         "TUNER_ARTIFACT_DIR": str(d / "artifacts"),

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tuner.executors.nodes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -92,14 +93,8 @@ TP_CHILD = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def compile_tp_once(cache_dir, mode: str) -> dict:
-    return run_child(TP_CHILD, cache_dir, str(_free_port()), mode)
+    return run_child(TP_CHILD, cache_dir, str(free_port()), mode)
 
 
 def test_a_tensor_parallel_graph_compiled_in_one_process_is_found_by_the_next(tmp_path):

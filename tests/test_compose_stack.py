@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import httpx
 import pytest
 from test_compose import ROOT, commands, env_example, load_compose
 from test_compose import interpolate as _interpolate
+
+from tuner.executors.nodes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -33,12 +34,6 @@ RECIPE = {
     "search": {"trials": 30, "timeout_min": 5},
     "measure": {"warmup_steps": 1, "steps": 2, "timeout_s": 120},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

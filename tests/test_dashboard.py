@@ -8,7 +8,6 @@ import datetime as dt
 import hashlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from api import Settings, create_app
 from api.auth import create_token
 from api.dashboard.plots import SAMPLE_LIMIT, pareto_front
 from tuner.db import Build, Job, NightlyResult, StudySnapshot, session_scope
+from tuner.executors.nodes import free_port
 from tuner.migrations import upgrade
 from tuner.record.importance import importances
 from tuner.record.reader import ROW_ATTRS, Finished, read_study, study_id, with_all_attrs
@@ -381,19 +381,13 @@ def test_pages_and_assets_are_served_from_the_package_with_no_network(client):
         assert not re.search(r"(src|href)=\"?(https?:)?//", f.read_text()), f
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_optuna_dashboard_lists_our_studies(db):
     """README: `optuna-dashboard sqlite:///tuner.db` opens the same database."""
     exe = Path(sys.executable).parent / "optuna-dashboard"
     if not exe.exists():
         pytest.skip("optuna-dashboard is not installed (pip install -c constraints/cpu.txt optuna-dashboard)")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [str(exe), db["url"], "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.DEVNULL,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -16,20 +15,14 @@ from conftest_ray import tiny_spec
 
 from tuner.build.launch import launch_script
 from tuner.executors.local import run_trial
-from tuner.executors.nodes import NodePart
+from tuner.executors.nodes import NodePart, free_port
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_node_trial(tmp_path: Path, steps: int = 4):
     spec = tiny_spec(tmp_path, "two-nodes", ranks=2, nodes=2, steps=steps)
-    port, results = _free_port(), {}
+    port, results = free_port(), {}
 
     def node(rank: int) -> None:
         part = NodePart(rank, 2, "127.0.0.1", port)
@@ -63,7 +56,7 @@ def test_launch_sh_of_a_two_node_winner_runs_once_per_node_and_reproduces_it(tmp
     assert measured.status == "ok", measured.error
     script = launch_script(1, "two-nodes", 2, measured.tokens_per_s, "cpu", nodes=2)
     assert "--nnodes=2" in script and '--node-rank="$NODE_RANK"' in script and "--rdzv-endpoint=" in script
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for rank in (0, 1):  # two machines: each has its own copy of the build
         stage = tmp_path / f"machine{rank}"
         stage.mkdir()

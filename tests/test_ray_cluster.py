@@ -8,7 +8,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest_ray import collect, tiny_spec, trial_pids, wait_for
 
+from tuner.executors.nodes import free_port
 from tuner.executors.ray_executor import RayExecutor
 
 pytestmark = pytest.mark.slow
@@ -24,18 +24,12 @@ pytestmark = pytest.mark.slow
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _node_ports() -> list[str]:
     # Two nodes on one host must not share the agents' default ports.
     return [
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
     ]
 
 
@@ -87,11 +81,11 @@ def two_nodes(tmp_path_factory):
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
 
-    port = _free_port()
+    port = free_port()
     temp_dirs = [str(tmp_path_factory.mktemp("ray-head")), str(tmp_path_factory.mktemp("ray-node"))]
     common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
     head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
-    head += [f"--ray-client-server-port={_free_port()}", f"--temp-dir={temp_dirs[0]}"]
+    head += [f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dirs[0]}"]
     worker = [RAY, "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp_dirs[1]}"]
     try:
         # The head first, then the worker node: started together on a loaded machine, the worker

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest_ray import RAY_CPUS, collect, parent_pid, start_ray_runtime, tiny_spec, trial_pids, wait_for
 
+from tuner.executors.nodes import free_port
 from tuner.executors.ray_executor import CoreLease, RayExecutor
 from tuner.recipe import recipe_from_dict
 
@@ -64,9 +64,7 @@ def test_cluster_address_nothing_answers_at_is_a_clear_error():
     import ray
 
     assert not ray.is_initialized()  # runs before this module's runtime starts
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # closed again: nothing listens there
 
     with pytest.raises(ConnectionError, match=f"address=127.0.0.1:{port}: no Ray cluster answers there"):
         RayExecutor(address=f"127.0.0.1:{port}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from tuner.config import Config
+from tuner.executors.nodes import free_port
 from tuner.recipe import recipe_from_dict
 from tuner.result import TrialSpec
 
@@ -43,12 +43,6 @@ class Run:
 
     def ranks(self) -> list[dict[str, Any]]:
         return self.result["extra"]["ranks"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_ranks(
@@ -84,7 +78,7 @@ def launch_ranks(
     )
     spec_path = workdir / "spec.json"
     spec_path.write_text(json.dumps(spec.to_dict()))
-    port = str(_free_port())
+    port = str(free_port())
     cores = sorted(os.sched_getaffinity(0))
     procs = []
     for rank in range(world):

@@ -17,6 +17,7 @@ import time
 import typer
 
 from tuner.cli.common import fail
+from tuner.executors.nodes import free_port
 
 _PR_SET_PDEATHSIG = 1
 
@@ -27,17 +28,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_local_ray(env: dict[str, str], timeout_s: float = 120.0) -> subprocess.Popen:
     """A Ray head on loopback shared by this command's workers, in a process group of its own so
     that stopping it stops all of Ray's processes (never `ray stop`: that stops every Ray on the
     machine). Returns once the head accepts connections; sets RAY_ADDRESS for the workers."""
-    port = _free_port()
+    port = free_port()
     # Ray's token auth, with a token of our own that the head and our workers share.
     env.setdefault("RAY_AUTH_MODE", "token")
     env.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))

@@ -13,14 +13,13 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from tuner.executors.nodes import NodePart, rank_env
+from tuner.executors.nodes import NodePart, free_port, rank_env
 from tuner.executors.session import TERM_GRACE_S, die_with_parent
 
 # After the first rank fails, the others get this long to fail on their own (and write their error
@@ -43,12 +42,6 @@ def _children_cpu_seconds() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankGroup:
@@ -171,7 +164,7 @@ def _launch(
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     workdir = Path(spec_path).parent
-    port = _free_port() if node is None else node.master_port
+    port = free_port() if node is None else node.master_port
     ranks = range(world) if node is None else node.ranks(world)
     procs = {rank: _start_rank(rank, world, port, module, spec_path, fork, node) for rank in ranks}
     group = RankGroup(procs, workdir, stopping)

@@ -6,7 +6,15 @@ stay inside a node whenever tp divides L (a feasibility rule)."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now (the OS picks it; closed again at once)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tuner.executors.nodes import free_port
 from tuner.executors.warm import node_socket_path
 from tuner.record.status import ERROR
 from tuner.result import TrialResult, TrialSpec
@@ -90,12 +91,6 @@ class CoreLease:
         self._files = []
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _node_part(spec: TrialSpec, part: dict[str, Any] | None, ip: str, where: dict[str, Any]):
     """This node's share of a multi-node trial (None for a single-node one); notes it in `where`."""
     from tuner.executors.nodes import NodePart
@@ -103,7 +98,7 @@ def _node_part(spec: TrialSpec, part: dict[str, Any] | None, ip: str, where: dic
     if part is None:
         return None
     rank = int(part["node_rank"])
-    addr, port = (ip, _free_port(ip)) if rank == 0 else (part["master_addr"], int(part["master_port"]))
+    addr, port = (ip, free_port(ip)) if rank == 0 else (part["master_addr"], int(part["master_port"]))
     where.update(node_rank=rank, master_addr=addr, master_port=port)
     if rank:  # nodes may share a filesystem (one host here): each keeps its own trial directory
         spec.workdir = str(Path(spec.workdir) / f"node{rank}")
