@@ -162,7 +162,35 @@ def test_flops_count_recompute_as_hardware_work_only():
     rec = recipe()
     plain, full = est(Config()), est(Config(recompute="full"))
     assert plain.flops_per_step == full.flops_per_step == flops_per_step(rec)
-    assert full.hardware_flops_per_step == pytest.approx(plain.flops_per_step * 4 / 3)
+    assert plain.hardware_flops_per_step == plain.flops_per_step
+    # Recompute repeats block work only, never the embedding and head (a quarter of gpt-tiny's).
+    assert plain.flops_per_step < full.hardware_flops_per_step < plain.flops_per_step * 4 / 3
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_hardware_flops_match_what_torch_counts_under_each_recompute(family):
+    """A real training step of the built model, counted by torch's FlopCounterMode (matmuls and
+    attention, recomputed forwards included), against the estimator's hardware FLOPs per step:
+    the same number for no, selective and full recompute, of all blocks or of half of them."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tuner.workload.apply import apply_recompute
+    from tuner.workload.model import build_model
+
+    model = {"family": family, "layers": 4, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 512}
+    if family == "llama":
+        model["kv_heads"] = 2  # grouped-query attention: its k and v projections are narrower
+    rec = recipe_from_dict({"name": "f", "model": model, "train": {"global_batch_size": 2}})
+    tokens = torch.randint(0, 512, (2, 32))
+    for mode, layers in [("none", 1.0), ("selective", 1.0), ("full", 1.0), ("selective", 0.5), ("full", 0.5)]:
+        model = build_model(rec.model, "math", 0, torch.device("cpu"))
+        if mode != "none":
+            apply_recompute(model, mode, layers)
+        with FlopCounterMode(display=False) as counter:
+            model.loss(model(tokens), tokens).backward()
+        expected = est(Config(recompute=mode, recompute_layers=layers), rec).hardware_flops_per_step
+        assert counter.get_total_flops() == pytest.approx(expected), (mode, layers)
 
 
 def test_budget_and_oom_prediction():

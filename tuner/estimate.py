@@ -25,7 +25,7 @@ from tuner.config import Config, microbatches, recomputed_layers
 from tuner.devices import DeviceInfo
 from tuner.models import family_of
 from tuner.recipe import Recipe
-from tuner.workload.flops import flops_per_step
+from tuner.workload.flops import flops_per_step, stage_flops_per_token
 
 GiB = 2**30
 MiB = 2**20
@@ -123,14 +123,8 @@ def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
     stages = [_stage(recipe, config, device, s) for s in range(config.pp)]
     worst = max(stages, key=lambda e: e.peak_mem_bytes)
     model_flops = flops_per_step(recipe)
-    # Recompute repeats forward work (1/3 of forward+backward): all of a block, or its attention,
-    # in the recomputed share of the blocks.
-    m = recipe.model
-    attention_share = family_of(m).attention_flops_share(m)
-    repeat = {"none": 0.0, "full": 1 / 3, "selective": attention_share / 3}[config.recompute]
-    per_stage = m.layers // config.pp
-    repeat *= recomputed_layers(per_stage, config.recompute_layers) / per_stage
-    return replace(worst, flops_per_step=model_flops, hardware_flops_per_step=model_flops * (1 + repeat))
+    hardware = sum(stage_flops_per_token(recipe.model, config)) * recipe.tokens_per_step
+    return replace(worst, flops_per_step=model_flops, hardware_flops_per_step=hardware)
 
 
 def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Estimate:

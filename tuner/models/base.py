@@ -48,7 +48,7 @@ class ModelFamily:
       outside the blocks; `vocab_params(m)` the part of those split over the vocabulary under tp;
     - `param_count(m)`: the whole model; `matmul_params(m)`: what the 6*N rule counts;
     - `flops_per_token(m, seq_len)`: model FLOPs (forward and backward) per token;
-    - `attention_flops_share(m)`: the attention part of a block's FLOPs (selective recompute);
+    - `recomputed_flops_per_token(m, recompute)`: the forward FLOPs recomputing one block repeats;
     - `stage_layers(m, stage, stages)`: the decoder layers a pipeline stage owns;
     - `build(m, attention)`: the torch module, on whatever device is current (the workload uses
       `meta`); `parallelize(model, tp_mesh, sequence_parallel)`; `init_rule(m)`;
@@ -112,14 +112,23 @@ class ModelFamily:
         s = m.seq_len if seq_len is None else seq_len
         return 6.0 * self.matmul_params(m) + self.attention_score_flops_per_token(m, s)
 
-    def attention_flops_share(self, m: ModelSpec) -> float:
-        """Fraction of a block's FLOPs spent in attention (projections and scores)."""
-        h, s = m.hidden, m.seq_len
-        attn = self.attention_matmul_params(m) + 2 * h * s
-        return attn / (self.block_matmul_params(m) + 2 * h * s)
-
     def attention_matmul_params(self, m: ModelSpec) -> int:
         raise NotImplementedError
+
+    def recomputed_flops_per_token(self, m: ModelSpec, recompute: str) -> float:
+        """Forward FLOPs per token that recomputing one block repeats: all of it (`full`) or its
+        attention (`selective`), up to but not including the region's last projection (the MLP's
+        down projection, or attention's output projection). PyTorch's non-reentrant checkpoint
+        stops recomputing once the tensors backward needs are back, and that projection's output
+        is not one of them: torch's FlopCounterMode counts exactly this on gpt and llama blocks
+        (tests/test_estimate.py)."""
+        if recompute == "none":
+            return 0.0
+        h, s = m.hidden, m.seq_len
+        attention = 2.0 * self.attention_matmul_params(m) + 4.0 * h * s  # projections, QK^T and AV
+        if recompute == "selective":
+            return attention - 2.0 * m.heads * m.head_dim * h
+        return 2.0 * self.block_matmul_params(m) + 4.0 * h * s - 2.0 * h * self.ffn_size(m)
 
     def stage_layers(self, m: ModelSpec, stage: int, stages: int) -> range:
         """Decoder layers of pipeline stage `stage` of `stages` (the rules make pp divide layers)."""

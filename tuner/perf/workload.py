@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tuner.config import Config, microbatches
+from tuner.config import Config, microbatches, recomputed_layers
 from tuner.devices import DeviceInfo
 from tuner.estimate import Estimate, MiB, estimate
 from tuner.models import family_of
 from tuner.recipe import Recipe
+from tuner.workload.flops import stage_flops_per_token
 
 # Bytes per element moved by a gradient all-reduce under each DDP communication hook.
 _COMPRESSED_BYTES = {"fp16": 2, "bf16": 2, "powersgd": 0.25}  # powersgd: a low-rank factor pair
@@ -65,17 +66,11 @@ def _ring(nbytes: float, n: int) -> float:
     return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
 
 
-def stage_shares(recipe: Recipe, pp: int) -> list[float]:
-    """Each pipeline stage's share of the model FLOPs: its blocks, and on the last stage the
-    output projection (a gpt-tiny head is a quarter of the matmul work: its stage does 61% of a
-    pp=2 step, not half)."""
-    m = recipe.model
-    family = family_of(m)
-    block = (
-        6.0 * family.block_matmul_params(m) + family.attention_score_flops_per_token(m, m.seq_len) / m.layers
-    )
-    head = max(0.0, family.flops_per_token(m) - m.layers * block)
-    flops = [len(family.stage_layers(m, s, pp)) * block + (head if s == pp - 1 else 0.0) for s in range(pp)]
+def stage_shares(recipe: Recipe, config: Config) -> list[float]:
+    """Each pipeline stage's share of the step's hardware FLOPs: its blocks (recomputed ones
+    again), and on the last stage the output projection (a gpt-tiny head is a quarter of the
+    matmul work: its stage does 61% of a pp=2 step, not half)."""
+    flops = stage_flops_per_token(recipe.model, config)
     return [f / sum(flops) for f in flops]
 
 
@@ -118,10 +113,14 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
     micro_tokens = c.micro_batch_size * m.seq_len
     # Hardware FLOPs split over the ranks: tp splits the matmuls, dp the batch, pp the layers
     # (unevenly: the busiest stage is what a pipeline waits for).
-    busiest = max(stage_shares(recipe, c.pp)) if c.pp > 1 else 1.0
+    busiest = max(stage_shares(recipe, c))
     flops_micro = est.hardware_flops_per_step / (c.dp * c.tp) / n_micro * busiest
     layers = m.layers // c.pp
+    # Layer passes recomputed per layer (selective: about half a layer's kernels), over the
+    # recomputed share of the stage's layers.
     repeat = {"none": 0.0, "selective": 0.5, "full": 1.0}[c.recompute]
+    if repeat:
+        repeat *= recomputed_layers(layers, c.recompute_layers) / layers
     units = layers * (2 + repeat) + 2  # forward + backward per layer, recomputed forwards, ends
     act_bytes = 4 if c.amp == "O0" else 2
     activation = micro_tokens * m.hidden * act_bytes
