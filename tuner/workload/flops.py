@@ -43,7 +43,9 @@ def block_flops_per_token(m: ModelSpec) -> float:
     """Model FLOPs (forward + backward) of one decoder block per token: its matmuls and its
     attention scores."""
     family = family_of(m)
-    return 6.0 * family.block_matmul_params(m) + family.attention_score_flops_per_token(m, m.seq_len) / m.layers
+    return (
+        6.0 * family.block_matmul_params(m) + family.attention_score_flops_per_token(m, m.seq_len) / m.layers
+    )
 
 
 def stage_flops_per_token(m: ModelSpec, config: Config) -> list[float]:
