@@ -14,6 +14,11 @@ means, as studies then did with other models' trials on the machine; BENCHMARKS 
 why that was dropped.)
     python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny-2.csv --residuals
 
+`--picks sampler` fits the configs the study's default sampler measures first instead, on the
+replay of `benchmarks/replay.py` (with its `--memory-budget-gb`): how well the model predicts the
+rest of the table at the point a study has measured N configs of its own choosing.
+    python benchmarks/perf_model_eval.py benchmarks/tables/cpu-gpt-tiny-3.csv --picks sampler --memory-budget-gb 0.15
+
 `--residuals` fits every config of the table instead and reports what the model form cannot
 explain: the in-sample median error, the coefficients that moved furthest from their priors (in
 prior sd), and the median log(predicted/measured) of each value of every knob the table varies.
@@ -78,7 +83,35 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def evaluate(path: str, seeds: int, train: int) -> dict:
+def random_picks(rows, train: int, rng: random.Random) -> list[tuple[int, float]]:
+    """`train` configs of the table at random, each with one of its measured repeats."""
+    return [(i, rng.choice(rows[i][1])) for i in (rng.sample(range(len(rows)), train) if train else [])]
+
+
+def sampler_picks(path: str, memory_budget_gb: float | None):
+    """The configs the study's default sampler measures first, replayed on the table as
+    `benchmarks/replay.py` does (the sampler is deterministic; a seed draws the table's repeats)."""
+    import replay
+
+    class Recording(replay.Table):
+        def run(self, config, rng):
+            run, res = super().run(config, rng)
+            self.picked.append((config.normalized().key(), res))
+            return run, res
+
+    table = replay.Table.load(path, memory_budget_gb)
+
+    def picks(rows, train: int, rng: random.Random) -> list[tuple[int, float]]:
+        recording = Recording(**table.__dict__)
+        recording.picked = []
+        replay.strategy_tuner(recording, rng.randrange(1 << 30), train)
+        index = {o.config.normalized().key(): i for i, (o, _) in enumerate(rows)}
+        return [(index[k], r.tokens_per_s) for k, r in recording.picked if r.status == "ok" and k in index]
+
+    return picks
+
+
+def evaluate(path: str, seeds: int, train: int, picks=random_picks) -> dict:
     recipe, rows = table_observations(path)
     device = describe("cpu")
     predictor = Predictor(device, priors_of(path))
@@ -87,18 +120,15 @@ def evaluate(path: str, seeds: int, train: int) -> dict:
     truth = np.array([o.tokens_per_s for o, _ in rows])
     per_seed = []
     for seed in range(seeds):
-        rng = random.Random(seed)
-        picked = rng.sample(range(len(rows)), train) if train else []
-        fitted = []
-        for i in picked:
-            obs, runs = rows[i]
-            fitted.append(Observation(**{**obs.__dict__, "tokens_per_s": rng.choice(runs)}))
+        chosen = picks(rows, train, random.Random(seed))
+        picked = [i for i, _ in chosen]
+        fitted = [Observation(**{**rows[i][0].__dict__, "tokens_per_s": v}) for i, v in chosen]
         predictor.fit(fitted)
         p = predictor.predict(recipe, configs, cached)
         rest = np.array([i for i in range(len(rows)) if i not in set(picked)])
         pred, low, high, true = p.tokens_per_s[rest], p.tokens_low[rest], p.tokens_high[rest], truth[rest]
         seen = np.array([o.tokens_per_s for o in fitted])
-        fitted_rms = float(np.sqrt(np.mean(np.log(p.tokens_per_s[picked] / seen) ** 2))) if train else 0.0
+        fitted_rms = float(np.sqrt(np.mean(np.log(p.tokens_per_s[picked] / seen) ** 2))) if picked else 0.0
         per_seed.append(
             {
                 "spearman": spearman(pred, true),
@@ -179,6 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--oracle-priors", action="store_true", help="start every fit from the table's own whole-table fit"
     )
+    ap.add_argument(
+        "--picks",
+        choices=["random", "sampler"],
+        default="random",
+        help="the N fitted configs: drawn at random, or the default sampler's first N on the replay",
+    )
+    ap.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        help="with --picks sampler: the replay's budget (replay.py's option)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.residuals:
@@ -186,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=None if args.json else 1))
         return 0
     with oracle_priors(args.table) if args.oracle_priors else contextlib.nullcontext():
-        result = evaluate(args.table, args.seeds, args.train)
+        picks = sampler_picks(args.table, args.memory_budget_gb) if args.picks == "sampler" else random_picks
+        result = evaluate(args.table, args.seeds, args.train, picks)
     result["priors"] = "oracle" if args.oracle_priors else "device"
+    result["picks"] = args.picks
     if args.json:
         print(json.dumps(result))
     else:
