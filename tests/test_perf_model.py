@@ -498,3 +498,43 @@ def test_fitted_to_five_runs_of_a_measured_table_the_model_ranks_the_rest(picks)
     result = json.loads(out.stdout)
     assert result["picks"] == picks and result["configs"] == 234
     assert result["spearman"] >= 0.8
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_tensor_parallel_collectives_are_the_ones_dtensor_issues(family):
+    """The model's count of tensor-parallel collectives per micro-batch, against torch's
+    CommDebugMode over a real training step of the tp=2 model, with and without sequence
+    parallelism, under each recompute mode. The process group is torch's fake backend: the
+    collectives DTensor issues do not depend on the backend, and one process can count them."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tuner.workload.apply import apply_recompute, apply_tp
+    from tuner.workload.model import build_model
+
+    model_spec = {"family": family, "layers": 4, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 512}
+    if family == "llama":
+        model_spec["kv_heads"] = 2
+    recipe = recipe_from_dict(
+        {"name": "c", "model": model_spec, "train": {"global_batch_size": 2}, "hardware": {"devices": 2}}
+    )
+    tokens = torch.randint(0, 512, (2, 32))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        for sp in (False, True):
+            for mode in ("none", "selective", "full"):
+                model = build_model(recipe.model, "math", 0, torch.device("cpu"))
+                apply_tp(model, mesh, sp)
+                if mode != "none":
+                    apply_recompute(model, mode)
+                with CommDebugMode() as comm:
+                    model.loss(model(tokens), tokens).backward()
+                config = Config(tp=2, micro_batch_size=2, sequence_parallel=sp, recompute=mode)
+                counted = step_work(recipe, config, CPU).tp_messages_micro
+                assert comm.get_total_counts() == counted, (sp, mode)
+    finally:
+        dist.destroy_process_group()

@@ -49,6 +49,8 @@ class ModelFamily:
     - `param_count(m)`: the whole model; `matmul_params(m)`: what the 6*N rule counts;
     - `flops_per_token(m, seq_len)`: model FLOPs (forward and backward) per token;
     - `recomputed_flops_per_token(m, recompute)`: the forward FLOPs recomputing one block repeats;
+    - `column_parallel_inputs(m)`, `tp_collectives(m, sequence_parallel, recompute)`: what tensor
+      parallelism sends per block;
     - `stage_layers(m, stage, stages)`: the decoder layers a pipeline stage owns;
     - `build(m, attention)`: the torch module, on whatever device is current (the workload uses
       `meta`); `parallelize(model, tp_mesh, sequence_parallel)`; `init_rule(m)`;
@@ -114,6 +116,27 @@ class ModelFamily:
 
     def attention_matmul_params(self, m: ModelSpec) -> int:
         raise NotImplementedError
+
+    def column_parallel_inputs(self, m: ModelSpec) -> int:
+        """Column-parallel Linears per block under tensor parallelism: each all-reduces its
+        input's gradient in backward (without sequence parallelism). Two: a fused input
+        projection for attention and one for the MLP; families with separate q, k, v or gate
+        and up projections have more."""
+        return 2
+
+    def tp_collectives(self, m: ModelSpec, sequence_parallel: bool, recompute: str) -> tuple[int, int]:
+        """(all-reduces, all-gathers and reduce-scatters) of one block activation per block of one
+        micro-batch's forward and backward under tensor parallelism, as DTensor issues them
+        (torch's CommDebugMode counts exactly these on gpt and llama blocks,
+        tests/test_perf_model.py). Without sequence parallelism: an all-reduce after each
+        row-parallel output in forward, one per column-parallel input in backward, and under full
+        recompute the attention's again (the MLP's output is past the checkpoint's early stop).
+        With it: an all-gather into and a reduce-scatter out of attention and MLP, forward and
+        backward, an all-gather more under selective recompute (attention's input), and under
+        full recompute both all-gathers and attention's reduce-scatter."""
+        if sequence_parallel:
+            return 0, 8 + {"none": 0, "selective": 1, "full": 3}[recompute]
+        return 2 + self.column_parallel_inputs(m) + (1 if recompute == "full" else 0), 0
 
     def recomputed_flops_per_token(self, m: ModelSpec, recompute: str) -> float:
         """Forward FLOPs per token that recomputing one block repeats: all of it (`full`) or its

@@ -228,6 +228,11 @@ class HFFamily(ModelFamily):
     def kv_heads(self, m: ModelSpec) -> int:
         return int(getattr(hf_config(m), "num_key_value_heads", None) or m.heads)
 
+    def column_parallel_inputs(self, m: ModelSpec) -> int:
+        """The block entries of the model's own tensor-parallel plan that are column-wise."""
+        plan = getattr(hf_config(m), "base_model_tp_plan", None) or {}
+        return sum(1 for style in plan.values() if style == "colwise") or super().column_parallel_inputs(m)
+
     def attention_matmul_params(self, m: ModelSpec) -> int:
         return self._c(m)["attention_matmul"]
 

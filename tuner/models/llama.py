@@ -49,6 +49,9 @@ class LlamaFamily(ModelFamily):
         inner = int(2 * (4 * m.hidden) / 3)
         return multiple * ((inner + multiple - 1) // multiple)
 
+    def column_parallel_inputs(self, m: ModelSpec) -> int:
+        return 5  # wq, wk, wv; w1, w3
+
     def attention_matmul_params(self, m: ModelSpec) -> int:
         kv_width = self.kv_heads(m) * m.head_dim
         return 2 * m.hidden * m.hidden + 2 * m.hidden * kv_width  # wq, wo; wk, wv

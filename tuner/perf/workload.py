@@ -86,6 +86,38 @@ _ELEMS_PER_SCORE = 3.0
 _OPT_PASSES = 8.0
 
 
+# Tensor parallelism's collectives outside the blocks, per micro-batch (CommDebugMode's count):
+# the embedding's and the head's input gradient, activation-sized (all-reduces, or with sequence
+# parallelism two gathers and scatters each), and three all-reduces of the vocabulary-parallel
+# loss's per-token statistics, small.
+_TP_ENDS = {False: (2, 0, 3), True: (0, 4, 3)}  # (all-reduces, gathers/scatters, small ones)
+
+
+def _gathered_share(device: DeviceInfo) -> float:
+    """What an all-gather or reduce-scatter of an activation costs against its all-reduce: NCCL
+    and HCCL move half the bytes (an all-reduce is the two together); gloo takes about as long
+    for each as for the all-reduce (2 ranks on a 2-core AMD EPYC, 256 KiB: all-reduce 0.46 ms,
+    reduce-scatter 0.49 ms, an all-gather of twice the output 0.61 ms), so sequence parallelism's
+    eight collectives per block cost it more than the plain split's four to seven all-reduces."""
+    return 1.0 if device.family == "cpu" else 0.5
+
+
+def _tp_collectives(recipe: Recipe, c: Config, layers: int, device: DeviceInfo) -> tuple[int, float]:
+    """(collectives, all-reduces of one activation they are worth) of one micro-batch on a rank
+    under tensor parallelism: its stage's blocks (recomputed ones with their extra collectives),
+    and the embedding's, head's and loss's (counted on the busiest stage)."""
+    if c.tp == 1:
+        return 0, 0.0
+    family, m = family_of(recipe.model), recipe.model
+    k = recomputed_layers(layers, c.recompute_layers) if c.recompute != "none" else 0
+    plain = family.tp_collectives(m, c.sequence_parallel, "none")
+    again = family.tp_collectives(m, c.sequence_parallel, c.recompute)
+    ends = _TP_ENDS[c.sequence_parallel]
+    reduces = (layers - k) * plain[0] + k * again[0] + ends[0]
+    sharded = (layers - k) * plain[1] + k * again[1] + ends[1]
+    return reduces + sharded + ends[2], reduces + sharded * _gathered_share(device)
+
+
 def _memory_traffic(recipe: Recipe, c: Config, micro_tokens: int, layers: int, repeat: float, last: bool):
     """(bytes per micro-batch of the memory-bound kernels, optimizer bytes per step) on a rank."""
     m = recipe.model
@@ -124,7 +156,7 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
     units = layers * (2 + repeat) + 2  # forward + backward per layer, recomputed forwards, ends
     act_bytes = 4 if c.amp == "O0" else 2
     activation = micro_tokens * m.hidden * act_bytes
-    tp_msgs = 0 if c.tp == 1 else int(layers * (4 + 2 * repeat))
+    tp_msgs, tp_reduced = _tp_collectives(recipe, c, layers, device)
     tp_summed = micro_tokens * m.hidden * _summed_bytes(device, act_bytes)
     pp_msgs = 0 if c.pp == 1 else 2 * n_micro
     mem_micro, opt_bytes = _memory_traffic(recipe, c, micro_tokens, layers, repeat, True)
@@ -152,7 +184,7 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         mem_bytes_micro=mem_micro,
         opt_bytes=opt_bytes,
         tp_messages_micro=tp_msgs,
-        tp_bytes_micro=_ring(tp_summed, c.tp) * tp_msgs,
+        tp_bytes_micro=_ring(tp_summed, c.tp) * tp_reduced,
         pp_messages=pp_msgs,
         pp_bytes=pp_msgs * activation,
         dp_messages=dp_msgs,
