@@ -167,8 +167,21 @@ def test_flops_count_recompute_as_hardware_work_only():
     assert plain.flops_per_step < full.hardware_flops_per_step < plain.flops_per_step * 4 / 3
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_hardware_flops_match_what_torch_counts_under_each_recompute(family):
+def small_model(family: str) -> dict:
+    """A 4-layer model of `family` small enough for one CPU step in a test (hf: a Qwen2 built by
+    transformers from its config, no download)."""
+    if family == "hf":
+        config = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 512}  # fmt: skip
+        return {"family": "hf", "seq_len": 32, "config": config}
+    model = {"family": family, "layers": 4, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 512}
+    if family == "llama":
+        model["kv_heads"] = 2  # grouped-query attention: its k and v projections are narrower
+    return model
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "hf"])
+def test_hardware_flops_match_what_torch_counts_under_each_recompute(family, monkeypatch):
     """A real training step of the built model, counted by torch's FlopCounterMode (matmuls and
     attention, recomputed forwards included), against the estimator's hardware FLOPs per step:
     the same number for no, selective and full recompute, of all blocks or of half of them."""
@@ -178,10 +191,8 @@ def test_hardware_flops_match_what_torch_counts_under_each_recompute(family):
     from tuner.workload.apply import apply_recompute
     from tuner.workload.model import build_model
 
-    model = {"family": family, "layers": 4, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 512}
-    if family == "llama":
-        model["kv_heads"] = 2  # grouped-query attention: its k and v projections are narrower
-    rec = recipe_from_dict({"name": "f", "model": model, "train": {"global_batch_size": 2}})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rec = recipe_from_dict({"name": "f", "model": small_model(family), "train": {"global_batch_size": 2}})
     tokens = torch.randint(0, 512, (2, 32))
     for mode, layers in [("none", 1.0), ("selective", 1.0), ("full", 1.0), ("selective", 0.5), ("full", 0.5)]:
         model = build_model(rec.model, "math", 0, torch.device("cpu"))

@@ -127,7 +127,7 @@ class ModelFamily:
     def tp_collectives(self, m: ModelSpec, sequence_parallel: bool, recompute: str) -> tuple[int, int]:
         """(all-reduces, all-gathers and reduce-scatters) of one block activation per block of one
         micro-batch's forward and backward under tensor parallelism, as DTensor issues them
-        (torch's CommDebugMode counts exactly these on gpt and llama blocks,
+        (torch's CommDebugMode counts exactly these on gpt, llama and an hf Qwen2,
         tests/test_perf_model.py). Without sequence parallelism: an all-reduce after each
         row-parallel output in forward, one per column-parallel input in backward, and under full
         recompute the attention's again (the MLP's output is past the checkpoint's early stop).
@@ -143,8 +143,8 @@ class ModelFamily:
         attention (`selective`), up to but not including the region's last projection (the MLP's
         down projection, or attention's output projection). PyTorch's non-reentrant checkpoint
         stops recomputing once the tensors backward needs are back, and that projection's output
-        is not one of them: torch's FlopCounterMode counts exactly this on gpt and llama blocks
-        (tests/test_estimate.py)."""
+        is not one of them: torch's FlopCounterMode counts exactly this on gpt, llama and an hf
+        Qwen2 (tests/test_estimate.py)."""
         if recompute == "none":
             return 0.0
         h, s = m.hidden, m.seq_len
