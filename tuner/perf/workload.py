@@ -86,6 +86,16 @@ _ELEMS_PER_SCORE = 3.0
 _OPT_PASSES = 8.0
 
 
+# Host work a recomputed layer adds, in plain layer passes (a layer's forward or backward): the
+# forward run again, and the checkpoint's own bookkeeping around it (saved-tensor hooks, its frame,
+# the recomputation's autograd graph), which costs more than the forward itself. Measured on a
+# model whose kernels cost next to nothing (`python benchmarks/recompute_host.py --rounds 60`,
+# 2-core AMD EPYC Zen 4, benchmarks/results/recompute-host-zen4.json): gpt 2.71 and 3.82, llama
+# 2.35 and 3.39 for selective and full. Counted as one pass and half a pass, the gpt-3 table's
+# full-recompute configs were predicted 1.21x the time of no recompute, measured 1.30x (now 1.29x).
+_RECOMPUTE_HOST_UNITS = {"none": 0.0, "selective": 2.5, "full": 3.6}
+
+
 # Tensor parallelism's collectives outside the blocks, per micro-batch (CommDebugMode's count):
 # the embedding's and the head's input gradient, activation-sized (all-reduces, or with sequence
 # parallelism two gathers and scatters each), and three all-reduces of the vocabulary-parallel
@@ -148,12 +158,14 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
     busiest = max(stage_shares(recipe, c))
     flops_micro = est.hardware_flops_per_step / (c.dp * c.tp) / n_micro * busiest
     layers = m.layers // c.pp
-    # Layer passes recomputed per layer (selective: about half a layer's kernels), over the
+    # Memory passes recomputed per layer (selective: about half a layer's kernels), over the
     # recomputed share of the stage's layers.
     repeat = {"none": 0.0, "selective": 0.5, "full": 1.0}[c.recompute]
     if repeat:
         repeat *= recomputed_layers(layers, c.recompute_layers) / layers
-    units = layers * (2 + repeat) + 2  # forward + backward per layer, recomputed forwards, ends
+    recomputed = recomputed_layers(layers, c.recompute_layers) if c.recompute != "none" else 0
+    # Forward + backward per layer, the embedding and head, and what each recomputed layer adds.
+    units = layers * 2 + 2 + recomputed * _RECOMPUTE_HOST_UNITS[c.recompute]
     act_bytes = 4 if c.amp == "O0" else 2
     activation = micro_tokens * m.hidden * act_bytes
     tp_msgs, tp_reduced = _tp_collectives(recipe, c, layers, device)
