@@ -158,13 +158,12 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
     busiest = max(stage_shares(recipe, c))
     flops_micro = est.hardware_flops_per_step / (c.dp * c.tp) / n_micro * busiest
     layers = m.layers // c.pp
-    # Memory passes recomputed per layer (selective: about half a layer's kernels), over the
-    # recomputed share of the stage's layers.
-    repeat = {"none": 0.0, "selective": 0.5, "full": 1.0}[c.recompute]
-    if repeat:
-        repeat *= recomputed_layers(layers, c.recompute_layers) / layers
     recomputed = recomputed_layers(layers, c.recompute_layers) if c.recompute != "none" else 0
-    # Forward + backward per layer, the embedding and head, and what each recomputed layer adds.
+    # Memory passes a recomputed layer's forward adds (selective: about half a layer's kernels),
+    # averaged over the stage's layers.
+    repeat = {"none": 0.0, "selective": 0.5, "full": 1.0}[c.recompute] * recomputed / layers
+    # Host work: forward + backward per layer, the embedding and head, and what each recomputed
+    # layer adds.
     units = layers * 2 + 2 + recomputed * _RECOMPUTE_HOST_UNITS[c.recompute]
     act_bytes = 4 if c.amp == "O0" else 2
     activation = micro_tokens * m.hidden * act_bytes
