@@ -5,13 +5,14 @@ each weighed by how tightly its step time was measured."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tuner.config import Config, ConfigError, shape_reasons
 from tuner.recipe import Recipe, RecipeError, recipe_from_dict
 from tuner.record import keys
+from tuner.record.ranking import config_throughput
 from tuner.record.status import OK, OOM
 from tuner.result import budget_peak
 from tuner.space import config_from_params
@@ -46,9 +47,13 @@ def relative_sd(attrs: dict[str, Any]) -> float:
     return _SPREAD_TO_SD * float(spread) if isinstance(spread, (int, float)) else 0.05
 
 
-def observation(recipe: Recipe, params: dict[str, Any], attrs: dict[str, Any]) -> Observation | None:
+def observation(
+    recipe: Recipe, params: dict[str, Any], attrs: dict[str, Any], again: Sequence[float] = ()
+) -> Observation | None:
     """The trial's observation, or None when it holds nothing to learn from (never ran,
-    duplicate, cancelled, unreadable)."""
+    duplicate, cancelled, unreadable). `again`: the study's re-measurements of the trial
+    (tokens/s); the throughput is then the ranking's median over all its runs, as the study
+    reports it. The measurement sd stays the first run's (a conservative weight)."""
     status = attrs.get(keys.STATUS)
     if status not in (OK, OOM) or attrs.get(keys.DUPLICATE_OF) is not None:
         return None
@@ -67,20 +72,24 @@ def observation(recipe: Recipe, params: dict[str, Any], attrs: dict[str, Any]) -
         recipe=recipe,
         config=config,
         status=status,
-        tokens_per_s=float(tps) if status == OK else None,
+        tokens_per_s=config_throughput(float(tps), again) if status == OK else None,
         rel_sd=relative_sd(attrs),
         peak_mem_bytes=float(peak) if peak else None,
         estimated_peak_mem_bytes=attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES),
     )
 
 
-def study_observations(recipe: Recipe, trials: list[Any]) -> list[Observation]:
-    """Observations of Optuna FrozenTrials of one study of `recipe`."""
+def study_observations(
+    recipe: Recipe, trials: list[Any], remeasured: Mapping[int, Sequence[float]] | None = None
+) -> list[Observation]:
+    """Observations of Optuna FrozenTrials of one study of `recipe`; `remeasured`: the study's
+    re-measurements by trial number (`keys.REMEASURED_PREFIX`)."""
+    again = remeasured or {}
     out = []
     for t in trials:
         if not t.state.is_finished():
             continue
-        obs = observation(recipe, t.params, t.user_attrs)
+        obs = observation(recipe, t.params, t.user_attrs, again.get(t.number, ()))
         if obs is not None:
             out.append(obs)
     return out
@@ -127,5 +136,6 @@ def fingerprint_observations(
         if not one_model(theirs, recipe):
             continue
         study = optuna.load_study(study_name=name, storage=storage)
-        out.extend(study_observations(theirs, study.get_trials(deepcopy=False)))
+        remeasured = keys.per_trial(study.user_attrs, keys.REMEASURED_PREFIX)
+        out.extend(study_observations(theirs, study.get_trials(deepcopy=False), remeasured))
     return out

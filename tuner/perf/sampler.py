@@ -100,7 +100,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._tpe.before_trial(study, trial)
         trials = study.get_trials(deepcopy=False)
-        self._refit(trials)
+        self._refit(trials, study)
         fixed = trial.system_attrs.get("fixed_params")
         if fixed:
             config = _config_of(fixed)
@@ -126,10 +126,12 @@ class ModelSampler(optuna.samplers.BaseSampler):
 
     # ---- the model ---------------------------------------------------------------------------
 
-    def _refit(self, trials: list[FrozenTrial]) -> None:
+    def _refit(self, trials: list[FrozenTrial], study: optuna.Study) -> None:
         finished = sum(t.state.is_finished() for t in trials)
         if finished != self._fitted_on:
-            own = study_observations(self.context.recipe, trials)
+            # A resumed study's re-measurements (from its earlier runs) count as the ranking counts them.
+            remeasured = keys.per_trial(study.user_attrs, keys.REMEASURED_PREFIX)
+            own = study_observations(self.context.recipe, trials, remeasured)
             self.predictor.fit([*self.context.history, *own])
             self._fitted_on = finished
 

@@ -168,7 +168,8 @@ def study_plan(
         for t in trials
         if t.finished and t.attrs.get(keys.STATUS) in (OK, OOM) and t.attrs.get(keys.DUPLICATE_OF) is None
     ]
-    picked = [observation(recipe, t.params, t.attrs) for t in _evenly(runs, MAX_FIT)]
+    again = {e.trial: e.remeasured_tokens_per_s for e in (*ranking.ranked, *ranking.flagged)}
+    picked = [observation(recipe, t.params, t.attrs, again.get(t.number, ())) for t in _evenly(runs, MAX_FIT)]
     fitted = [o for o in picked if o is not None]
     try:
         plan, order = ranked_plan(recipe, top=top, device=device, observations=fitted)

@@ -173,6 +173,13 @@ class Ranking:
         return self.best.tokens_per_s / self.baseline.tokens_per_s
 
 
+def config_throughput(first: float | None, again: Sequence[float]) -> float:
+    """What a study measured a config at: the median tokens/s over its trial's measurement (when
+    it has one) and its re-measurements. The ranking, the plan and the performance model's data
+    all take this figure."""
+    return statistics.median([first, *again] if first is not None else list(again))
+
+
 def _relative_spread(values: Sequence[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
 
@@ -194,7 +201,7 @@ def ranked(
     return Ranked(
         trial=t.number,
         config=config.active_params() if config is not None else dict(t.params),
-        tokens_per_s=statistics.median(measured),
+        tokens_per_s=config_throughput(t.tokens_per_s, again),
         remeasured_tokens_per_s=list(again),
         noise=max(_relative_spread(measured), t.attrs.get(keys.STEP_TIME_SPREAD) or 0.0),
         metrics={k: t.attrs.get(k) for k in keys.RESULT_KEYS},
