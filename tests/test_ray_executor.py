@@ -160,10 +160,13 @@ def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_pat
 
 
 def node_helpers() -> dict[int, bytes]:
-    """The node helpers alive on this host (pid: command line): they listen in the node directory."""
+    """The node helpers alive on this host (pid: command line): they listen in the node directory.
+    Matched with its separator: a local helper's own directory (`mkdtemp(prefix="tuner-warm-")`)
+    begins with the node directory's name in 1 of 37 draws (`tuner-warm-0abc...` for uid 0), and
+    a local helper alive in the test process then counted as a second node helper."""
     from tuner.executors.warm import node_socket_path
 
-    where = os.path.dirname(node_socket_path("x")).encode()
+    where = os.path.dirname(node_socket_path("x")).encode() + b"/"
     found = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
