@@ -15,7 +15,7 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner.config import Config, ConfigError
+from tuner.config import Config, ConfigError, infeasible_reasons
 from tuner.devices import DeviceInfo
 from tuner.perf.candidates import candidates
 from tuner.perf.model import Features
@@ -37,6 +37,12 @@ JUDGED_AFTER = 5
 # runs out costs about as much device time as one that measures. On the committed table (30 seeds,
 # BENCHMARKS.md section 11) 0.5 spent 16% of the device time on failures, 0.8 under 5%.
 MIN_P_FIT = 0.8
+# While the model misses, TPE chooses; but its picks are held to the same memory gate. A run that
+# runs out of memory costs as much as one that measures, and the throughput model missing says
+# nothing about the memory model, a separate fit. On the committed table, judged on a host where
+# the model missed its first pipeline configs, TPE's free picks in those fallbacks were most of
+# the failed device time (BENCHMARKS.md section 11). TPE proposes up to this many configs per trial.
+TPE_DRAWS = 16
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,20 @@ def expected_improvement(mean: np.ndarray, sd: np.ndarray, best: float) -> np.nd
     z = (mean - best) / sd
     pdf = np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
     return sd * (z * _normal_cdf(z) + pdf)
+
+
+class _TpeDraw:
+    """A stand-in for a trial that `SearchSpace.suggest` fills with TPE's proposals, without
+    recording anything in the study: one call, one proposed config."""
+
+    def __init__(self, tpe: optuna.samplers.TPESampler, study: optuna.Study, trial: FrozenTrial):
+        self._tpe, self._study, self._trial = tpe, study, trial
+        self._fixed_params: dict[str, Any] = {}  # knobs that follow from the split (`space._record`)
+
+    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
+        if name in self._fixed_params:
+            return self._fixed_params.pop(name)
+        return self._tpe.sample_independent(self._study, self._trial, name, CategoricalDistribution(choices))
 
 
 def _config_of(params: dict[str, Any]) -> Config | None:
@@ -107,7 +127,13 @@ class ModelSampler(optuna.samplers.BaseSampler):
             if config is not None and config.world_size == self.context.recipe.hardware.devices:
                 self._record(study, trial, keys.CHOSEN_BY_QUEUE, config)
             return
-        config = None if self._missing(trials) else self._choose(trials)
+        if self._missing(trials):
+            config = self._tpe_choice(study, trial, trials)
+            if config is not None:
+                self._choice[trial.number] = config
+                self._record(study, trial, keys.CHOSEN_BY_TPE, config)
+                return
+        config = self._choose(trials)
         if config is None:
             self._record(study, trial, keys.CHOSEN_BY_TPE, None)
             return
@@ -169,8 +195,8 @@ class ModelSampler(optuna.samplers.BaseSampler):
             self._pool = pool  # the whole space: the same list every time
         return pool
 
-    def _choose(self, trials: list[FrozenTrial]) -> Config | None:
-        """The untried config with the best EI x P(fit)^2 that the driver would not prune."""
+    def _runnable(self, trials: list[FrozenTrial], configs: list[Config]) -> list[Config]:
+        """Those of `configs` that this study has not tried and the driver would not prune."""
         ctx = self.context
         tried = set()
         for t in trials:
@@ -186,15 +212,38 @@ class ModelSampler(optuna.samplers.BaseSampler):
             for t in trials
             if t.user_attrs.get(keys.STATUS) == OOM and (c := _config_of(t.params)) is not None
         )
-        measured = [
-            (t.values[0], c) for t in complete if t.values and (c := _config_of(t.params)) is not None
-        ]
-        untried = [c for c in self._pool_for(measured) if c.key() not in tried]
-        pool = [
+        untried = [c for c in configs if c.key() not in tried]
+        return [
             c
             for c, (work, _) in zip(untried, self._cached(untried), strict=True)
             if verdict(c, ctx.recipe, ctx.device, calibration, floor, est=work.estimate).reason is None
         ]
+
+    def _tpe_choice(
+        self, study: optuna.Study, trial: FrozenTrial, trials: list[FrozenTrial]
+    ) -> Config | None:
+        """TPE's pick while the model misses, held to the model's memory gate: the first of
+        `TPE_DRAWS` proposals that is untried, unpruned and at least `MIN_P_FIT` likely to fit.
+        None when none is (the model's own pick, which passes the gate, runs instead)."""
+        draw = _TpeDraw(self._tpe, study, trial)
+        for _ in range(TPE_DRAWS):
+            try:
+                config = self.context.space.suggest(draw, self.context.recipe, self.context.device)
+            except (ConfigError, ValueError, TypeError):
+                continue
+            if infeasible_reasons(config, self.context.recipe, self.context.device):
+                continue
+            if self._runnable(trials, [config]) and self._predict([config]).p_fit[0] >= MIN_P_FIT:
+                return config
+        return None
+
+    def _choose(self, trials: list[FrozenTrial]) -> Config | None:
+        """The untried config with the best EI x P(fit)^2 that the driver would not prune."""
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        measured = [
+            (t.values[0], c) for t in complete if t.values and (c := _config_of(t.params)) is not None
+        ]
+        pool = self._runnable(trials, self._pool_for(measured))
         if not pool:
             return None
         p = self._predict(pool)
@@ -215,3 +264,4 @@ class ModelSampler(optuna.samplers.BaseSampler):
         storage.set_trial_user_attr(tid, keys.PREDICTED_TOKENS_PER_S, round(float(p.tokens_per_s[0]), 2))
         interval = [round(float(p.tokens_low[0]), 2), round(float(p.tokens_high[0]), 2)]
         storage.set_trial_user_attr(tid, keys.PREDICTED_INTERVAL, interval)
+        storage.set_trial_user_attr(tid, keys.PREDICTED_P_FIT, round(float(p.p_fit[0]), 3))

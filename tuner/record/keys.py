@@ -81,6 +81,7 @@ CONFIG = "config"  # a full knob setting stored whole (older studies); newer one
 CHOSEN_BY = "chosen_by"  # CHOSEN_BY_MODEL, CHOSEN_BY_TPE (the model fitted badly) or CHOSEN_BY_QUEUE
 PREDICTED_TOKENS_PER_S = "predicted_tokens_per_s"  # the model's expectation before the run
 PREDICTED_INTERVAL = "predicted_interval"  # [low, high] tokens/s, its 90% interval
+PREDICTED_P_FIT = "predicted_p_fit"  # the memory model's chance the run stays within the budget
 CHOSEN_BY_MODEL = "model"
 CHOSEN_BY_TPE = "tpe"
 CHOSEN_BY_QUEUE = "queue"  # enqueued by the driver (baseline, warm start, retry): predicted only
