@@ -280,6 +280,26 @@ def test_standin_timeout_leaves_no_process(standin):
     assert session_pids(sid) == []
 
 
+def test_what_still_works_in_a_cancelled_trials_directory_is_ended(tmp_path):
+    # The executors' last word on a cancelled trial: a process that ignores SIGTERM and works in
+    # the trial's directory (or below it) is waited for, then killed; others are left alone.
+    from tuner.executors.session import end_processes_in, pids_in
+
+    (tmp_path / "rank0").mkdir()
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    inside = subprocess.Popen([sys.executable, "-c", stubborn], cwd=tmp_path / "rank0")
+    outside = subprocess.Popen([sys.executable, "-c", stubborn], cwd=Path(tmp_path).parent)
+    try:
+        wait_for(lambda: pids_in(str(tmp_path)) == [inside.pid], 30, "the process in the trial's directory")
+        assert end_processes_in(str(tmp_path), 0.3) == [inside.pid]
+        assert inside.wait(timeout=5) == -signal.SIGKILL
+        assert pids_in(str(tmp_path)) == [] and outside.poll() is None
+    finally:
+        for p in (inside, outside):
+            p.kill()
+            p.wait()
+
+
 def test_cpus_pin_every_rank(standin):
     cpu = sorted(os.sched_getaffinity(0))[-1]
     script = standin / "standin_rank.py"

@@ -42,6 +42,38 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
+def pids_in(directory: str) -> list[int]:
+    """Live (non-zombie) processes of this machine working in `directory` or below it: where a
+    trial's launcher and ranks run (each trial has a directory of its own)."""
+    root = os.path.abspath(directory)
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if (cwd == root or cwd.startswith(root + os.sep)) and stat[stat.rindex(")") + 2] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def end_processes_in(directory: str, grace_s: float) -> list[int]:
+    """Wait up to `grace_s` for the processes working in `directory` to exit, then SIGKILL the
+    rest and wait for them to go. Returns the pids that had to be killed."""
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and pids_in(directory):
+        time.sleep(0.05)
+    left = pids_in(directory)
+    _signal_all(left, signal.SIGKILL)
+    end = time.monotonic() + TERM_GRACE_S
+    while time.monotonic() < end and pids_in(directory):
+        time.sleep(0.02)
+    return left
+
+
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
