@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # SIGTERM, then this long, then SIGKILL.
@@ -25,9 +26,9 @@ def die_with_parent(sig: int) -> None:
         pass
 
 
-def session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes whose session id is `sid`, from /proc."""
-    pids = []
+def _live_processes() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the parenthesised command: state ppid pgrp
+    session ...) of every live (non-zombie) process of this machine."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -35,11 +36,14 @@ def session_pids(sid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        # Fields after the parenthesised command: state ppid pgrp session ...
         fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            pids.append(int(entry))
-    return pids
+        if fields[0] != "Z":
+            yield int(entry), fields
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes whose session id is `sid`, from /proc."""
+    return [pid for pid, fields in _live_processes() if int(fields[3]) == sid]
 
 
 def pids_in(directory: str) -> list[int]:
@@ -47,16 +51,15 @@ def pids_in(directory: str) -> list[int]:
     trial's launcher and ranks run (each trial has a directory of its own)."""
     root = os.path.abspath(directory)
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+    for pid, _ in _live_processes():
+        if pid == os.getpid():
             continue
         try:
-            cwd = os.readlink(f"/proc/{entry}/cwd")
-            stat = Path(f"/proc/{entry}/stat").read_text()
+            cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:
             continue
-        if (cwd == root or cwd.startswith(root + os.sep)) and stat[stat.rindex(")") + 2] != "Z":
-            pids.append(int(entry))
+        if cwd == root or cwd.startswith(root + os.sep):
+            pids.append(pid)
     return pids
 
 

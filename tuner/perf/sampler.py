@@ -7,6 +7,7 @@ model predicted for it, so a study stays a plain Optuna study (readable by optun
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,8 +196,9 @@ class ModelSampler(optuna.samplers.BaseSampler):
             self._pool = pool  # the whole space: the same list every time
         return pool
 
-    def _runnable(self, trials: list[FrozenTrial], configs: list[Config]) -> list[Config]:
-        """Those of `configs` that this study has not tried and the driver would not prune."""
+    def _runnable(self, trials: list[FrozenTrial]) -> Callable[[list[Config]], list[Config]]:
+        """A filter keeping those configs this study has not tried and the driver would not prune
+        (the study's tried set, calibration and OOM floor are read once, for many calls)."""
         ctx = self.context
         tried = set()
         for t in trials:
@@ -212,12 +214,16 @@ class ModelSampler(optuna.samplers.BaseSampler):
             for t in trials
             if t.user_attrs.get(keys.STATUS) == OOM and (c := _config_of(t.params)) is not None
         )
-        untried = [c for c in configs if c.key() not in tried]
-        return [
-            c
-            for c, (work, _) in zip(untried, self._cached(untried), strict=True)
-            if verdict(c, ctx.recipe, ctx.device, calibration, floor, est=work.estimate).reason is None
-        ]
+
+        def keep(configs: list[Config]) -> list[Config]:
+            untried = [c for c in configs if c.key() not in tried]
+            return [
+                c
+                for c, (work, _) in zip(untried, self._cached(untried), strict=True)
+                if verdict(c, ctx.recipe, ctx.device, calibration, floor, est=work.estimate).reason is None
+            ]
+
+        return keep
 
     def _tpe_choice(
         self, study: optuna.Study, trial: FrozenTrial, trials: list[FrozenTrial]
@@ -226,6 +232,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
         `TPE_DRAWS` proposals that is untried, unpruned and at least `MIN_P_FIT` likely to fit.
         None when none is (the model's own pick, which passes the gate, runs instead)."""
         draw = _TpeDraw(self._tpe, study, trial)
+        runnable = self._runnable(trials)
         for _ in range(TPE_DRAWS):
             try:
                 config = self.context.space.suggest(draw, self.context.recipe, self.context.device)
@@ -233,7 +240,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
                 continue
             if infeasible_reasons(config, self.context.recipe, self.context.device):
                 continue
-            if self._runnable(trials, [config]) and self._predict([config]).p_fit[0] >= MIN_P_FIT:
+            if runnable([config]) and self._predict([config]).p_fit[0] >= MIN_P_FIT:
                 return config
         return None
 
@@ -243,7 +250,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
         measured = [
             (t.values[0], c) for t in complete if t.values and (c := _config_of(t.params)) is not None
         ]
-        pool = self._runnable(trials, self._pool_for(measured))
+        pool = self._runnable(trials)(self._pool_for(measured))
         if not pool:
             return None
         p = self._predict(pool)
