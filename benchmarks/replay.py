@@ -14,7 +14,10 @@ Strategies:
   ... until one fails, keeping the largest that ran.
 
 A table lookup returns one of the config's measured repeats at random (seeded), so the strategies
-see the measurement noise a real study sees. A config outside the table that the feasibility rules
+see the measurement noise a real study sees. The performance model starts from the priors of the
+machine that measured the table (`make_table.table_priors`: its recorded one-thread matmul peaks;
+a table that records none is judged with this machine's, and a note says so), so the figures of
+a table with recorded peaks are the same on every host. A config outside the table that the feasibility rules
 reject costs a failed launch (the table's shortest trial) for strategies that do not check rules.
 
     python benchmarks/replay.py benchmarks/tables/cpu-gpt-tiny.csv --seeds 20 --json
@@ -28,6 +31,7 @@ best), failed_device_s, failed_fraction. Without it, a Markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -42,7 +46,7 @@ import optuna
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cli_args import table_path  # noqa: E402
-from make_table import read_table  # noqa: E402
+from make_table import read_table, table_priors  # noqa: E402
 
 from tuner.baseline import baseline_config  # noqa: E402
 from tuner.config import KNOBS, Config, infeasible_reasons  # noqa: E402
@@ -71,6 +75,9 @@ class Table:
     best: float
     launch_cost_s: float
     devices: int
+    # The performance model's device priors of the machine that measured the table
+    # (`make_table.table_priors`): its recorded matmul peaks where it has them.
+    priors: object = None
 
     @classmethod
     def load(cls, path: str, memory_budget_gb: float | None = None) -> Table:
@@ -97,7 +104,7 @@ class Table:
         by_key = {Config.from_params({k: r[k] for k in KNOBS if r.get(k, "") != ""}).key(): r for r in rows}
         ok = [float(r["tokens_per_s"]) for r in rows if r["status"] == "ok" and r["tokens_per_s"]]
         walls = [float(r["wall_s"]) for r in rows if r["wall_s"]]
-        return cls(recipe, by_key, max(ok), min(walls), recipe.hardware.devices)
+        return cls(recipe, by_key, max(ok), min(walls), recipe.hardware.devices, table_priors(header))
 
     def run(self, config: Config, rng: random.Random) -> tuple[Run, TrialResult]:
         row = self.rows.get(config.key())
@@ -173,12 +180,29 @@ def _space(table: Table):
     return load_space(r.search.space or "cpu").narrow(r.search.overrides)
 
 
+@contextlib.contextmanager
+def measured_on(table: Table):
+    """Within the block, a study's performance model starts from the priors of the machine that
+    measured `table` (as a study there would: its own one-thread matmul peaks), not from the
+    priors of the machine replaying it. Without this the model sampler's figures depended on the
+    host that ran the replay."""
+    from tuner.perf import predictor
+
+    here = predictor.device_priors
+    if table.priors is not None:
+        predictor.device_priors = lambda device: table.priors
+    try:
+        yield
+    finally:
+        predictor.device_priors = here
+
+
 def strategy_tuner(table: Table, seed: int, budget: int, sampler: str | None = None) -> list[Run]:
     from tuner.recipe import SearchSpec
     from tuner.study import run_study
 
     ex = TableExecutor(table, random.Random(seed))
-    with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="replay-") as tmp, measured_on(table):
         # Pruned trials count against `trials` but cost nothing; give room for `budget` runs.
         run_study(
             table.recipe,

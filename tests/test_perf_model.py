@@ -565,6 +565,29 @@ def test_a_model_sampler_study_resumes_after_kill_9(tmp_path):
     assert any(t.user_attrs.get(keys.CHOSEN_BY) == keys.CHOSEN_BY_MODEL for t in complete)
 
 
+def test_the_replay_searches_as_on_the_machine_that_measured_the_table(monkeypatch):
+    """A replayed study's performance model starts from the priors of the machine that measured
+    the table (its recorded one-thread matmul peaks), so what the replay reports does not depend
+    on the host that runs it: with this host's peaks 10x off, the same seed runs the same configs."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import replay
+
+    from tuner.perf.predictor import Predictor
+
+    table = replay.Table.load(str(root / "benchmarks" / "tables" / "cpu-spr-gpt-tiny-quick.csv"), 0.15)
+    with replay.measured_on(table):
+        assert Predictor(describe("cpu")).priors.peak_flops == table.priors.peak_flops
+
+    def values(runs):
+        return [(r.value, r.failed) for r in runs]
+
+    here = values(replay.strategy_model(table, 0, 8))
+    real = tuner.perf.priors.peak_tflops
+    monkeypatch.setattr(tuner.perf.priors, "peak_tflops", lambda *a, **k: 10 * real(*a, **k))
+    assert values(replay.strategy_model(table, 0, 8)) == here
+
+
 @pytest.mark.parametrize("picks", ["random", "sampler"])
 def test_fitted_to_five_runs_of_a_measured_table_the_model_ranks_the_rest(picks):
     """The issue's Spearman target on a committed table (measured on a Zen 4 CPU): fitted to five
