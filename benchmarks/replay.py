@@ -14,11 +14,12 @@ Strategies:
   ... until one fails, keeping the largest that ran.
 
 A table lookup returns one of the config's measured repeats at random (seeded), so the strategies
-see the measurement noise a real study sees. The performance model starts from the priors of the
-machine that measured the table (`make_table.table_priors`: its recorded one-thread matmul peaks;
-a table that records none is judged with this machine's, and a note says so), so the figures of
-a table with recorded peaks are the same on every host. A config outside the table that the feasibility rules
+see the measurement noise a real study sees. A config outside the table that the feasibility rules
 reject costs a failed launch (the table's shortest trial) for strategies that do not check rules.
+The performance model starts from the priors of the machine that measured the table
+(`make_table.table_priors`: its recorded one-thread matmul peaks; a table that records none is
+judged with this machine's, and a note says so), so a table with recorded peaks gives the same
+figures on every host.
 
     python benchmarks/replay.py benchmarks/tables/cpu-gpt-tiny.csv --seeds 20 --json
     python benchmarks/replay.py TABLE.csv --seeds 20 --png benchmarks/results/regret.png
@@ -52,6 +53,7 @@ from tuner.baseline import baseline_config  # noqa: E402
 from tuner.config import KNOBS, Config, infeasible_reasons  # noqa: E402
 from tuner.devices import describe  # noqa: E402
 from tuner.executors.base import Executor  # noqa: E402
+from tuner.perf.priors import DevicePriors  # noqa: E402
 from tuner.recipe import recipe_from_dict  # noqa: E402
 from tuner.result import TrialResult, TrialSpec, budget_peak  # noqa: E402
 from tuner.space import load_space  # noqa: E402
@@ -77,7 +79,7 @@ class Table:
     devices: int
     # The performance model's device priors of the machine that measured the table
     # (`make_table.table_priors`): its recorded matmul peaks where it has them.
-    priors: object = None
+    priors: DevicePriors | None = None
 
     @classmethod
     def load(cls, path: str, memory_budget_gb: float | None = None) -> Table:
