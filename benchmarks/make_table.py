@@ -27,7 +27,7 @@ from pathlib import Path
 from cli_args import recipe_path
 
 from tuner.config import KNOBS, Config
-from tuner.devices import describe, resolve_family
+from tuner.devices import cpu_model_id, describe, resolve_family
 from tuner.estimate import budget_bytes, estimate
 from tuner.executors.local import run_trial
 from tuner.fingerprint import fingerprint
@@ -72,20 +72,23 @@ def read_table(path: str | Path) -> tuple[dict[str, str], list[dict[str, str]]]:
 def table_priors(header: dict[str, str]):
     """The performance model's device priors for the machine that measured a table: this
     machine's, with the table's recorded one-thread matmul peaks (`# peak_flops:`) when it has
-    them. A table without them that another CPU measured is judged with this machine's peaks, and
-    says so: its prediction figures then differ from the measuring machine's (a CPU with bf16
-    matrix units puts bf16 at 8x fp32, one without at 1x)."""
+    them. A table without them is judged with this machine's peaks, and says so unless it records
+    this CPU's model id: its prediction figures may then differ from the measuring machine's (a
+    CPU with bf16 matrix units puts bf16 at 8x fp32, one without at 1x)."""
     import dataclasses
 
     here = describe("cpu")
     priors = device_priors(here)
     if "peak_flops" in header:
         return dataclasses.replace(priors, peak_flops=json.loads(header["peak_flops"]))
-    measured_on = json.loads(header.get("fingerprint") or "{}").get("device")
-    if measured_on and measured_on != here.name:
+    fingerprint = json.loads(header.get("fingerprint") or "{}")
+    measured_on, model = fingerprint.get("device"), fingerprint.get("cpu_model")
+    # One name covers several CPU generations ("AMD EPYC"): only the model id says it was this one.
+    if measured_on != here.name or model != cpu_model_id():
         print(
-            f"note: the table was measured on {measured_on!r} and records no peak_flops; the priors "
-            f"use this machine's ({here.name!r}), so prediction figures differ from that machine's",
+            f"note: the table was measured on {measured_on!r} ({model or 'model not recorded'}) and "
+            f"records no peak_flops; the priors use this machine's ({here.name!r}, {cpu_model_id()}), "
+            "so prediction figures may differ from that machine's",
             file=sys.stderr,
         )
     return priors
