@@ -27,7 +27,7 @@ from pathlib import Path
 from cli_args import recipe_path
 
 from tuner.config import KNOBS, Config
-from tuner.devices import cpu_model_id, describe, resolve_family
+from tuner.devices import cpu_model_id, describe, resolve_family, same_cpu
 from tuner.estimate import budget_bytes, estimate
 from tuner.executors.local import run_trial
 from tuner.fingerprint import fingerprint
@@ -82,9 +82,8 @@ def table_priors(header: dict[str, str]):
     if "peak_flops" in header:
         return dataclasses.replace(priors, peak_flops=json.loads(header["peak_flops"]))
     fingerprint = json.loads(header.get("fingerprint") or "{}")
-    measured_on, model = fingerprint.get("device"), fingerprint.get("cpu_model")
-    # One name covers several CPU generations ("AMD EPYC"): only the model id says it was this one.
-    if measured_on != here.name or model != cpu_model_id():
+    if not same_cpu(fingerprint, here):
+        measured_on, model = fingerprint.get("device"), fingerprint.get("cpu_model")
         print(
             f"note: the table was measured on {measured_on!r} ({model or 'model not recorded'}) and "
             f"records no peak_flops; the priors use this machine's ({here.name!r}, {cpu_model_id()}), "

@@ -107,6 +107,26 @@ def test_a_large_study_fits_an_evenly_spaced_share_of_its_trials(db, monkeypatch
     assert "(evenly spaced)" in plan.basis
 
 
+def test_a_study_from_another_cpu_of_the_same_name_says_its_plan_uses_this_servers_priors(db):
+    """Hosts of several generations all call themselves "AMD EPYC": the plan of a study measured
+    on another CPU model says its priors are this server's, and one measured here does not."""
+    from tuner.devices import cpu_model_id, describe
+
+    study = _study(db, "predicted")
+    recipe = study.recipe or _job_recipe(db)
+    here = {**study.fingerprint, "family": "cpu", "device": describe("cpu").name}
+    elsewhere = study_plan.study_plan(
+        recipe,
+        {**here, "cpu_model": "vendor_id=OtherVendor cpu_family=1 model=1"},
+        study.trials,
+        study.ranking(),
+    )
+    assert elsewhere.available and "CPU priors from this server's" in elsewhere.basis
+    assert cpu_model_id() in elsewhere.basis
+    same = study_plan.study_plan(recipe, {**here, "cpu_model": cpu_model_id()}, study.trials, study.ranking())
+    assert same.available and "CPU priors" not in same.basis
+
+
 def _job_recipe(db):
     with session_scope(db["url"]) as s:
         return s.get(Job, db["predicted"]).recipe

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,15 @@ def cpu_model_id(cpuinfo: str | None = None) -> str:
         if sep and key.strip() in keys:
             found.setdefault(key.strip(), value.strip())
     return " ".join(f"{k.replace(' ', '_')}={found[k]}" for k in keys if k in found)
+
+
+def same_cpu(fingerprint: Mapping[str, Any], here: DeviceInfo) -> bool:
+    """Whether the CPU a fingerprint (`tuner.fingerprint.fingerprint`) records is this machine's
+    CPU `here`: the same name and the same model id. The name alone does not say (one name
+    covers several generations, `cpu_model_id`), so a record without the model id is not taken
+    for this CPU."""
+    model = fingerprint.get("cpu_model")
+    return fingerprint.get("device") == here.name and bool(model) and model == cpu_model_id()
 
 
 def _total_ram() -> int:

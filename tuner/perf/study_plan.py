@@ -11,7 +11,7 @@ from typing import Any
 
 from tuner.config import Config, short_config
 from tuner.device_table import CATALOG
-from tuner.devices import DeviceInfo, available_families, describe, known_device
+from tuner.devices import DeviceInfo, available_families, cpu_model_id, describe, known_device, same_cpu
 from tuner.perf.observations import observation
 from tuner.perf.plan import PlanError, PlanOrder, ranked_plan
 from tuner.recipe import RecipeError, recipe_from_dict
@@ -76,7 +76,11 @@ def plan_device(fingerprint: dict[str, Any]) -> tuple[DeviceInfo | None, str]:
     count = fingerprint.get("device_count")
     if family == "cpu":
         here = describe("cpu")
-        note = "" if name in ("", here.name) else f"; CPU priors from this server's {here.name}"
+        note = (
+            ""
+            if same_cpu(fingerprint, here)
+            else f"; CPU priors from this server's {here.name} ({cpu_model_id()})"
+        )
         return dataclasses.replace(here, count=int(count or here.count)), note
     if family in ("cuda", "npu"):
         if family in available_families() and describe(family).name == name:
