@@ -178,11 +178,13 @@ def _order(predictor: Predictor, recipe: Recipe, pool: list[Config], cached) -> 
         return PlanOrder(pool, np.zeros(0, dtype=int), None)
     p = predictor.predict(recipe, pool, cached)
     # Rank by what a run is expected to deliver: a config that may not fit counts for less.
-    # Among equals (within 1%: knobs the model has no evidence on) the plainer config comes first.
+    # Among equals (within 1%: knobs the model has no evidence on) the plainer config comes first,
+    # and among equally plain ones the higher expectation.
     default = Config()
     plain = np.array([sum(1 for k, v in c.active_params().items() if v != getattr(default, k)) for c in pool])
-    value = np.round(np.log(p.tokens_per_s * np.minimum(1.0, p.p_fit / 0.5)) / 0.01)
-    return PlanOrder(pool, np.lexsort((plain, -value)), p)
+    expected = p.tokens_per_s * np.minimum(1.0, p.p_fit / 0.5)
+    value = np.round(np.log(expected) / 0.01)
+    return PlanOrder(pool, np.lexsort((-expected, plain, -value)), p)
 
 
 def _rows(order: PlanOrder, same: list[Observation], top: int) -> list[PlanRow]:
