@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # SIGTERM, then this long, then SIGKILL.
@@ -66,14 +66,18 @@ def pids_in(directory: str) -> list[int]:
 def end_processes_in(directory: str, grace_s: float) -> list[int]:
     """Wait up to `grace_s` for the processes working in `directory` to exit, then SIGKILL the
     rest and wait for them to go. Returns the pids that had to be killed."""
-    end = time.monotonic() + grace_s
-    while time.monotonic() < end and pids_in(directory):
-        time.sleep(0.05)
-    left = pids_in(directory)
+    left = _wait_gone(lambda: pids_in(directory), grace_s, 0.05)
     _signal_all(left, signal.SIGKILL)
-    end = time.monotonic() + TERM_GRACE_S
-    while time.monotonic() < end and pids_in(directory):
-        time.sleep(0.02)
+    _wait_gone(lambda: pids_in(directory), TERM_GRACE_S, 0.02)
+    return left
+
+
+def _wait_gone(alive: Callable[[], list[int]], seconds: float, poll_s: float) -> list[int]:
+    """Poll `alive` every `poll_s` until it lists no process or `seconds` pass; what it lists
+    then."""
+    end = time.monotonic() + seconds
+    while (left := alive()) and time.monotonic() < end:
+        time.sleep(poll_s)
     return left
 
 
@@ -93,10 +97,8 @@ def kill_session(sid: int, leader: subprocess.Popen | None = None) -> None:
     if not others and (leader is None or leader.poll() is not None):
         return
     _signal_all(others, signal.SIGTERM)
-    end = time.monotonic() + TERM_GRACE_S
-    while time.monotonic() < end and [p for p in session_pids(sid) if p != sid]:
-        time.sleep(0.05)
-    _signal_all([p for p in session_pids(sid) if p != sid], signal.SIGKILL)
+    left = _wait_gone(lambda: [p for p in session_pids(sid) if p != sid], TERM_GRACE_S, 0.05)
+    _signal_all(left, signal.SIGKILL)
     if leader is not None:
         try:
             leader.wait(timeout=TERM_GRACE_S)
@@ -106,9 +108,7 @@ def kill_session(sid: int, leader: subprocess.Popen | None = None) -> None:
     _signal_all(session_pids(sid), signal.SIGKILL)
     # A killed process lives on until the kernel has torn it down (its memory, its sockets): wait
     # for that too, so that nothing of the trial is running when this returns.
-    end = time.monotonic() + TERM_GRACE_S
-    while time.monotonic() < end and session_pids(sid):
-        time.sleep(0.02)
+    _wait_gone(lambda: session_pids(sid), TERM_GRACE_S, 0.02)
 
 
 def signal_name(returncode: int) -> str:
