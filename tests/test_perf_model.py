@@ -461,6 +461,24 @@ def test_a_plan_lists_equally_plain_configs_in_its_tie_band_by_prediction():
     assert list(plan_module._order(stand_in, None, pool, None).order) == [2, 1, 0, 3]
 
 
+def test_a_real_plan_never_lists_a_lower_expectation_above_an_equally_plain_higher_one(priors):
+    """The rule above on a real plan (the tiny recipe, from the priors): reading down the list,
+    a config is followed by a higher expected throughput only when that one changes more knobs
+    (a plainer config leads within the 1% band)."""
+    from tuner.perf.plan import ranked_plan
+
+    _, order = ranked_plan(recipe_from_dict(tiny()), top=1000, device=CPU, observations=[])
+    p, default = order.predicted, Config()
+    expected = p.tokens_per_s * np.minimum(1.0, p.p_fit / 0.5)
+    rows = [
+        (expected[i], sum(v != getattr(default, k) for k, v in order.pool[i].active_params().items()))
+        for i in order.order
+    ]
+    assert len(rows) > 100
+    for (first, first_plain), (then, then_plain) in zip(rows, rows[1:], strict=False):
+        assert then <= first or then_plain > first_plain
+
+
 def test_a_re_measured_config_is_planned_and_fitted_at_the_median_the_study_reports(tmp_path, priors):
     """`tuner tune` reports a re-measured config at the median of its runs. `tuner plan` showed
     the first run next to its prediction instead (on a Zen 4 host 20,051 tokens/s for a config
