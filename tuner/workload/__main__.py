@@ -3,6 +3,7 @@ executor, with torchrun-style RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MA
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -26,6 +27,9 @@ def _load_spec(path: str):
 def main(argv: list[str]) -> None:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         sys.exit(USAGE)
+    # A rank that dies of a signal (SIGSEGV in a native library) prints every thread's Python
+    # stack to its log first, so the trial's error names where it crashed.
+    faulthandler.enable(file=sys.stderr)
     spec = _load_spec(argv[0])
     from tuner.workload.run import main as run_main
 
