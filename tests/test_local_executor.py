@@ -251,6 +251,43 @@ def test_the_helper_prepares_inductor_for_the_first_trial_that_compiles(standin)
         assert r.log_tail.count(line) == 2, (name, r.log_tail)
 
 
+def test_a_helper_that_touched_the_gpu_runtime_forks_nothing_and_its_trials_start_cold(
+    standin, monkeypatch
+):
+    """On an H200 machine a helper's preparation counted the GPUs, and every rank forked after it
+    died with "Cannot re-initialize CUDA in forked subprocess". A helper that finds a device
+    runtime touched (here it is told so) answers each request with the reason, and the trial runs
+    cold instead of failing."""
+    from tuner.executors import warm
+
+    monkeypatch.setattr(warm, "_unreachable", set())
+    path = str(standin / "touched" / "helper.sock")
+    os.makedirs(os.path.dirname(path))
+    serve = "import sys\nfrom tuner.executors.warm_server import serve\n"
+    serve += "serve(sys.argv[1], (), initialised=lambda: 'CUDA')\n"
+    helper = subprocess.Popen([sys.executable, "-c", serve, path], stdin=subprocess.PIPE)
+    try:
+        res = run_trial(make_spec(standin, "touched"), helper_socket=path)
+    finally:
+        helper.stdin.close()  # the helper exits when its parent's pipe closes
+        helper.wait(timeout=10)
+    assert res.status == "ok", res.error
+    assert res.extra["start"].startswith("cold (the warm-start helper has initialised CUDA"), res.extra
+
+
+def test_a_forked_child_tells_whether_the_helper_may_fork_cuda_ranks(monkeypatch):
+    """`device_runtime` asks a throwaway child (CPU builds of torch have no such state: None)."""
+    import torch
+
+    from tuner.executors.warm_server import device_runtime
+
+    assert device_runtime() is None
+    monkeypatch.setattr(torch._C, "_cuda_isInBadFork", lambda: True, raising=False)
+    assert device_runtime() == "CUDA"
+    monkeypatch.setattr(torch._C, "_cuda_isInBadFork", lambda: False, raising=False)
+    assert device_runtime() is None
+
+
 def test_the_helper_imports_the_callers_tuner_from_any_working_directory(standin, monkeypatch):
     """Run from a directory that holds another `tuner` package (a second checkout), trials still
     start warm: the helper imports the caller's tuner, not the working directory's."""

@@ -131,7 +131,9 @@ def _run_once(
     if helper is not None:
         try:
             # cmd is [python, -m, tuner.executors.launcher, ARGS...]: the helper runs the same.
-            compiles = spec.config.get("compile", "none") != "none"
+            # Inductor is prepared in the helper for CPU trials only: its savings are the CPU
+            # compiler's, and on a GPU machine the preparation initialised CUDA in the helper.
+            compiles = spec.family == "cpu" and spec.config.get("compile", "none") != "none"
             launcher = helper.launch(cmd[3:], env, str(workdir), str(workdir / "launcher.log"), compiles)
             how = "warm"
         except warm.Unavailable as err:

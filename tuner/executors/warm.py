@@ -59,8 +59,10 @@ def prepare_compile() -> None:
     whether the header is current (about 0.2 s; per process, per compiler command); loading a
     no-op kernel here does that once (a cached compiled trial 0.2-0.8 s shorter on a 2-core
     Zen 2, BENCHMARKS section 8). Not at the helper's start: a study that never
-    compiles would wait for it before its first trial. It touches no device and starts no thread
-    (the kernel is loaded, never run); a torch without these only loses the saving."""
+    compiles would wait for it before its first trial. It starts no thread (the kernel is loaded,
+    never run); a torch without these only loses the saving. For CPU trials only: on a CUDA build
+    of torch the vector-instruction probe counts the GPUs, after which no forked process can use
+    CUDA (`warm_server.device_runtime`)."""
     with contextlib.suppress(Exception):
         import torch._inductor.compile_fx  # noqa: F401
         from torch._inductor import cpu_vec_isa
@@ -295,7 +297,11 @@ def _fork(path: str, request: dict, connect_s: float) -> WarmProcess:
                 if not chunk:
                     raise ConnectionResetError("the helper closed the connection")
                 reply += chunk
-            pid = int(json.loads(reply.split(b"\n", 1)[0])["pid"])
+            answer = json.loads(reply.split(b"\n", 1)[0])
+            if "error" in answer:
+                conn.close()
+                raise Unavailable(answer["error"])
+            pid = int(answer["pid"])
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as err:
             conn.close()
             if time.monotonic() >= end:

@@ -18,18 +18,61 @@ from collections.abc import Callable
 from tuner.executors.session import kill_session
 
 
-def serve(path: str, preload: tuple[str, ...], prepare_compile: Callable[[], None] = lambda: None) -> None:
+class Refused(Exception):
+    """The helper will not fork this request; its message goes back to the client."""
+
+
+def device_runtime() -> str | None:
+    """The device runtime this process has touched so that a process forked from it cannot use the
+    device ("CUDA", "NPU"), or None. torch refuses CUDA in such a child ("Cannot re-initialize
+    CUDA in forked subprocess") once the parent initialised CUDA or only counted the devices: a
+    CUDA build's `cpu_vec_isa.valid_vec_isa_list()` does the latter (seen on an H200 machine,
+    where every rank forked after it failed), without `torch.cuda.is_initialized()` turning
+    true; so a throwaway child is asked whether it is in that state."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if torch.cuda.is_initialized():
+        return "CUDA"
+    npu = getattr(torch, "npu", None)  # torch_npu registers it
+    if npu is not None and getattr(npu, "is_initialized", lambda: False)():
+        return "NPU"
+    in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", None)  # absent from CPU-only builds
+    if in_bad_fork is None:
+        return None
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return "CUDA" if os.waitstatus_to_exitcode(status) == 1 else None
+
+
+def serve(
+    path: str,
+    preload: tuple[str, ...],
+    prepare_compile: Callable[[], None] = lambda: None,
+    initialised: Callable[[], str | None] = device_runtime,
+) -> None:
     """Serve fork requests on the Unix socket `path` after importing `preload`; the first request
-    for a trial that compiles runs `prepare_compile` first (once)."""
+    for a trial that compiles runs `prepare_compile` first (once). Once `initialised()` names a
+    device runtime (after the preload, or after the preparation), every request is answered with
+    an error naming it, and its trial starts cold."""
     for name in preload:
         importlib.import_module(name)
     prepared = False
+    runtime = initialised()
 
     def before_fork(request: dict) -> None:
-        nonlocal prepared
+        nonlocal prepared, runtime
         if request.get("compiles") and not prepared:
             prepared = True
             prepare_compile()
+            runtime = initialised()
+        if runtime is not None:
+            raise Refused(
+                f"the warm-start helper has initialised {runtime}, which a forked process cannot "
+                "use; the trial starts cold"
+            )
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -81,7 +124,12 @@ def _accept(
                 raise OSError("the client closed the connection")
             data += chunk
         request = json.loads(data.split(b"\n", 1)[0])
-        before_fork(request)
+        try:
+            before_fork(request)
+        except Refused as err:
+            conn.sendall(json.dumps({"error": str(err)}).encode() + b"\n")
+            conn.close()
+            return
         pid = os.fork()
         if pid == 0:
             # The child keeps none of the helper's sockets.
