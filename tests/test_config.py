@@ -180,6 +180,13 @@ RULES = [
         "does not support tp or pp",
     ),
     (
+        "cuda graphs of the layers",
+        Config(dp=4, compile="reduce-overhead"),
+        recipe(),
+        OLD_GPU,
+        "a replay overwrites a layer's output still in use",
+    ),
+    (
         "offload with compile",
         Config(dp=4, offload=True, compile="default"),
         recipe(),

@@ -379,6 +379,12 @@ def _combination_reasons(config: Config, device: DeviceInfo) -> list[str]:
         r.append("amp=O2 with fp16 and fsdp needs a sharded grad scaler; use bf16 or ddp")
     if config.compile == "reduce-overhead" and (config.pp > 1 or config.tp > 1):
         r.append("compile=reduce-overhead (CUDA graphs) does not support tp or pp > 1 here")
+    if config.compile == "reduce-overhead" and device.family == "cuda":
+        # Seen on an H200 with torch 2.11 (BENCHMARKS "CUDA"): every such trial failed.
+        r.append(
+            "compile=reduce-overhead: the CUDA graphs of the per-layer compiled blocks fail in "
+            "training here (a replay overwrites a layer's output still in use); use compile=default"
+        )
     if config.offload and config.compile != "none":
         r.append("offload (save_on_cpu hooks) cannot be traced by torch.compile; use compile=none")
     return r
