@@ -251,9 +251,7 @@ def test_the_helper_prepares_inductor_for_the_first_trial_that_compiles(standin)
         assert r.log_tail.count(line) == 2, (name, r.log_tail)
 
 
-def test_a_helper_that_touched_the_gpu_runtime_forks_nothing_and_its_trials_start_cold(
-    standin, monkeypatch
-):
+def test_a_helper_that_touched_the_gpu_runtime_forks_nothing_and_its_trials_start_cold(standin, monkeypatch):
     """On an H200 machine a helper's preparation counted the GPUs, and every rank forked after it
     died with "Cannot re-initialize CUDA in forked subprocess". A helper that finds a device
     runtime touched (here it is told so) answers each request with the reason, and the trial runs
