@@ -9,12 +9,19 @@
 #      an eager one forked from it (benchmarks/cuda_warm_check.py).
 # PHASES picks phases (default "sweep tune repeat warm"), SWEEP_GROUPS the sweep's groups. Each
 # phase has its own time limit and a failed phase does not stop the next. Logs and results go to
-# $OUT (default ./cuda-check-out). Packages the machine lacks travel as wheels in .whl/
-# (see BENCHMARKS.md, "CUDA"); where .whl/ is absent the installed ones are used.
+# $OUT (default ./cuda-check-out). Packages the machine lacks travel as wheels in .whl/, installed
+# first where it exists (for the H200 image's Python 3.12: optuna, sqlalchemy, greenlet, alembic,
+# mako, colorlog, pydantic, pydantic-core, annotated-types, typing-inspection, typer, click, from
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl NAME==VERSION).
 #
 #   bash benchmarks/cuda_check.sh            # on a machine with an NVIDIA GPU
 #   PHASES="warm sweep" SWEEP_GROUPS=recompute,compile bash benchmarks/cuda_check.sh
 set -u
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+    sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 OUT=${OUT:-cuda-check-out}
 mkdir -p "$OUT"

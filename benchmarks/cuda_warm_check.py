@@ -13,6 +13,7 @@ Exits 0 with a note when no NVIDIA GPU is visible.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,10 @@ MODEL = {"family": "llama", "layers": 2, "hidden": 1024, "heads": 16, "kv_heads"
          "vocab": 32000, "ffn": 2816}  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
