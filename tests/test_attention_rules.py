@@ -107,7 +107,7 @@ def test_the_baseline_and_the_fp32_reference_run_on_documented_kernels(name, hea
     base = baseline_config(r, device, space)
     capability = device.extra.get("capability", "0")
     assert documented_ok(family, capability, base.attention, attention_dtype(base), head_dim), base
-    reference = fp32_reference(base, device, space)
+    reference = fp32_reference(base, r, device, space)
     if base.amp == "O0":
         assert reference is None  # the baseline already is the fp32 run
         return
@@ -124,7 +124,7 @@ def test_a_modern_gpu_baseline_uses_a_fused_kernel_and_its_reference_a_fp32_one(
     space = load_space("cuda")
     base = baseline_config(recipe("cuda", 128), device, space)
     assert (base.amp, base.amp_dtype, base.attention) == ("O1", "bf16", "flash")
-    assert fp32_reference(base, device, space).attention == "efficient"
+    assert fp32_reference(base, recipe("cuda", 128), device, space).attention == "efficient"
 
 
 def test_an_fp32_config_with_flash_on_cuda_is_refused_with_the_fix():

@@ -113,3 +113,41 @@ def test_baseline_micro_batch_is_predicted_to_fit_not_merely_within_the_search_m
     base = baseline_config(recipe_from_dict(doc), cpu, space)
     assert free.micro_batch_size == 8 and base.micro_batch_size == 2
     assert Config(**{**base.to_dict(), "micro_batch_size": 8}) == free
+
+
+def test_an_fp32_reference_that_would_not_fit_at_the_baselines_micro_batch_runs_at_one_that_does():
+    """The reference is only for its losses, which every micro-batch split of the global batch
+    shares: where fp32 (twice the activations) is predicted not to fit at the baseline's
+    micro-batch, a smaller one, not no reference."""
+    from tuner.baseline import fp32_reference
+    from tuner.config import Config
+    from tuner.estimate import estimate, reserved_ratio_prior
+
+    doc = {"name": "r", "model": {"layers": 4, "hidden": 1024, "heads": 8, "seq_len": 2048, "vocab": 32000},
+           "train": {"global_batch_size": 16}, "hardware": {"device": "cuda", "devices": 1}}  # fmt: skip
+    h100 = devices.known_device("H100", count=1)
+    space = load_space("cuda").narrow({"micro_batch_size": [2, 4, 8]})
+
+    def fits(config, budget):
+        scaled = estimate(recipe_from_dict(doc), config, h100).peak_mem_bytes * reserved_ratio_prior("cuda")
+        return scaled <= budget
+
+    base = baseline_config(recipe_from_dict(doc), h100, space)
+    assert base.micro_batch_size == 8 and base.amp == "O1"
+    fp32_at_8 = Config(**{**base.to_dict(), "amp": "O0", "attention": "efficient"})
+    # A budget that holds the baseline but not fp32 at its micro-batch.
+    low = estimate(recipe_from_dict(doc), base, h100).peak_mem_bytes * reserved_ratio_prior("cuda")
+    doc["hardware"]["memory_budget_gb"] = low * 1.02 / 2**30
+    budget = low * 1.02
+    assert not fits(fp32_at_8, budget)
+    reference = fp32_reference(base, recipe_from_dict(doc), h100, space)
+    assert reference.amp == "O0" and reference.micro_batch_size < 8
+    assert fits(reference, budget)
+    assert {k for k, v in reference.to_dict().items() if base.to_dict()[k] != v} == {
+        "amp",
+        "attention",
+        "micro_batch_size",
+    }
+    # With room, the reference keeps the baseline's micro-batch.
+    doc["hardware"]["memory_budget_gb"] = None
+    assert fp32_reference(base, recipe_from_dict(doc), h100, space).micro_batch_size == 8

@@ -66,13 +66,26 @@ def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> C
     return candidates[-1]
 
 
-def fp32_reference(base: Config, device: DeviceInfo, space: SearchSpace) -> Config | None:
+def fp32_reference(base: Config, recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> Config | None:
     """The fp32 (O0) run every low-precision config's losses are checked against: the baseline
     at O0, with an attention kernel that runs in fp32 (flash and cuDNN attention on CUDA, and
-    npu_fusion_attention on Ascend, take fp16/bf16 only). None when the space has no O0."""
+    npu_fusion_attention on Ascend, take fp16/bf16 only). None when the space has no O0.
+
+    Its losses are all it is for, and they do not depend on the micro-batch (every micro-batch
+    split runs the same global batch). fp32 activations are twice autocast's: where the
+    reference is predicted not to fit at the baseline's micro-batch, the largest micro-batch at
+    which it is, rather than a reference the study would drop."""
     if base.amp == "O0" or "O0" not in (space.domains["amp"] or ()):
         return None
     attention = base.attention
     if attention not in fp32_backends(device.family, device.attention_backends):
         attention = _pick(space, "attention", fp32_backends(device.family, device.attention_backends))
-    return Config(**{**base.to_dict(), "amp": "O0", "attention": attention})
+    fp32 = {**base.to_dict(), "amp": "O0", "attention": attention}
+    smaller = sorted(
+        (s for s in space.domains["micro_batch_size"] or () if s < base.micro_batch_size), reverse=True
+    )
+    candidates = [Config(**{**fp32, "micro_batch_size": m}) for m in (base.micro_batch_size, *smaller)]
+    for config in candidates:
+        if verdict(config, recipe, device, margin=0.0).reason is None:
+            return config
+    return candidates[-1]  # none predicted to fit: the study's own check decides

@@ -137,7 +137,7 @@ class Driver:
             self.study.set_user_attr(key, value)
         base = baseline_config(self.recipe, self.device, self.space)
         self.enqueue(base, keys.BASELINE)
-        reference = fp32_reference(base, self.device, self.space)
+        reference = fp32_reference(base, self.recipe, self.device, self.space)
         if reference is not None:
             self.enqueue(reference, keys.FP32_REFERENCE)
         fp_hash = fingerprint_hash(self.fp)
