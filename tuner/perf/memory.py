@@ -14,7 +14,14 @@ from tuner.perf.observations import Observation
 from tuner.record.status import OK, OOM
 
 RATIO_PRIOR_SD = 0.15  # log ratio before anything was measured: the estimator's stated error
-RIDGE = 4.0  # prior precision of each knob's effect on the ratio (log units)
+# Prior sd of each knob's effect on the log ratio (log2 of the micro-batch counts per doubling).
+# On CPU glibc's retained heap moves a rank's reserved peak from 1.10 to 1.85 times the allocated
+# one with the config (BENCHMARKS section 9): wide. On an H200 the reserved peak over the estimate
+# was 0.98-1.10 over six configs of micro-batch 1 and 8, three precisions and two attention
+# kernels (log sd 0.04, BENCHMARKS section 13); at 0.5 a 100 GiB config on the 140 GiB device
+# had a 0.58 chance to fit before any trial. Ascend is not measured here: as wide as CPU.
+KNOB_SD = {"cuda": 0.1}
+KNOB_SD_DEFAULT = 0.5
 OOM_EDGE = 0.05  # how far over the edge an out-of-memory trial is placed (log units)
 
 
@@ -41,9 +48,10 @@ def _row(c: Config) -> list[float]:
 
 class MemoryModel:
     """log(measured / estimated peak) ~ N(x . beta, s^2), fitted with a ridge prior centred on the
-    device's reserved/allocated ratio (`tuner.estimate.reserved_ratio_prior`)."""
+    device's reserved/allocated ratio (`tuner.estimate.reserved_ratio_prior`), each knob's effect
+    as wide as the device `family`'s `KNOB_SD`."""
 
-    def __init__(self, observations: Sequence[Observation] = (), prior_ratio: float = 1.0):
+    def __init__(self, observations: Sequence[Observation] = (), prior_ratio: float = 1.0, family: str = ""):
         self.centre = math.log(prior_ratio)
         pairs = [
             (o.config, math.log(o.peak_mem_bytes / o.estimated_peak_mem_bytes))
@@ -58,7 +66,7 @@ class MemoryModel:
             if o.status == OOM and o.estimated_peak_mem_bytes and (limit := _budget(o))
         ]
         p = len(_row(Config()))
-        precision = np.eye(p) * RIDGE
+        precision = np.eye(p) / KNOB_SD.get(family, KNOB_SD_DEFAULT) ** 2
         precision[0, 0] = 1.0 / RATIO_PRIOR_SD**2
         x = np.array([_row(c) for c, _ in pairs], dtype=float).reshape(len(pairs), p)
         y = np.array([r - self.centre for _, r in pairs])

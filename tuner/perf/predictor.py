@@ -55,7 +55,7 @@ class Predictor:
         self.device = device
         self.priors = priors or device_priors(device)
         self.time_fit: Fit = fit(*self._data([]), self.priors)
-        self.memory = MemoryModel(prior_ratio=reserved_ratio_prior(device.family))
+        self.memory = MemoryModel(prior_ratio=reserved_ratio_prior(device.family), family=device.family)
         self.observations: list[Observation] = []
 
     def _data(self, obs: Sequence[Observation]) -> tuple[Features, np.ndarray, np.ndarray]:
@@ -72,7 +72,7 @@ class Predictor:
         start = self.time_fit if self.time_fit.n else None
         data = self._data([o for o in observations if o.tokens_per_s])
         self.time_fit = fit(*data, self.priors, start)
-        self.memory = MemoryModel(observations, reserved_ratio_prior(self.device.family))
+        self.memory = MemoryModel(observations, reserved_ratio_prior(self.device.family), self.device.family)
         return self
 
     def features(self, recipe: Recipe, configs: Sequence[Config]) -> tuple[list[StepWork], Features]:
