@@ -85,9 +85,10 @@ def _drain_collectives() -> None:
     """Let every collective of the profiled steps finish on both sides before the profiler stops.
     A gloo thread that completes a collective's future may still be leaving the profiler's
     callbacks when the main thread, woken by that future, stops the profiler and frees what they
-    write to: the likely cause of a crash seen once in CI (one stop in about forty), where rank 0 of a 2-rank profile with an fp16
-    gradient hook died of SIGSEGV right after the profiler stopped (forty runs here did not
-    repeat it; faulthandler now names the frame if it happens again). A barrier and a short wait cost 0.05 s once per profiled trial."""
+    write to: the likely cause of a crash seen once in CI (one stop in about forty), where rank 0
+    of a 2-rank profile with an fp16 gradient hook died of SIGSEGV right after the profiler
+    stopped (forty runs here did not repeat it; faulthandler now names the frame if it happens
+    again). A barrier and a short wait cost 0.05 s once per profiled trial."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     time.sleep(DRAIN_S)
