@@ -132,7 +132,8 @@ def _run_once(
         try:
             # cmd is [python, -m, tuner.executors.launcher, ARGS...]: the helper runs the same.
             # Inductor is prepared in the helper for CPU trials only: its savings are the CPU
-            # compiler's, and on a GPU machine the preparation initialised CUDA in the helper.
+            # compiler's, and on a CUDA build of torch it leaves the helper unable to fork ranks
+            # that use CUDA (`warm_server.device_runtime`).
             compiles = spec.family == "cpu" and spec.config.get("compile", "none") != "none"
             launcher = helper.launch(cmd[3:], env, str(workdir), str(workdir / "launcher.log"), compiles)
             how = "warm"

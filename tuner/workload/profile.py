@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from tuner.devices import synchronize
@@ -82,15 +81,13 @@ DRAIN_S = 0.05
 
 
 def _drain_collectives() -> None:
-    """Let every collective of the profiled steps finish on both sides before the profiler stops.
-    A gloo thread that completes a collective's future may still be leaving the profiler's
-    callbacks when the main thread, woken by that future, stops the profiler and frees what they
-    write to: the likely cause of a crash seen once in CI (one stop in about forty), where rank 0
-    of a 2-rank profile with an fp16 gradient hook died of SIGSEGV right after the profiler
-    stopped (forty runs here did not repeat it; faulthandler now names the frame if it happens
-    again). A barrier and a short wait cost 0.05 s once per profiled trial."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    """Give the process group's threads time to leave the profiler's callbacks before it stops.
+    A gloo thread that completes a collective's future may still be inside them when the main
+    thread, woken by that future, stops the profiler and frees what they write to: the likely
+    cause of a crash seen once in CI (one stop in about forty), where rank 0 of a 2-rank profile
+    with an fp16 gradient hook died of SIGSEGV right after the profiler stopped (forty runs here
+    did not repeat it; faulthandler now names the frame if it happens again). No collective here:
+    it would be recorded as the steps' communication. Costs 0.05 s once per profiled trial."""
     time.sleep(DRAIN_S)
 
 
