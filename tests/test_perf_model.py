@@ -525,6 +525,25 @@ def test_tuner_plan_cli_json_and_bad_input(tmp_path):
     assert bad.returncode == 2 and "devices:" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_offloaded_activations_cost_their_bytes_over_the_host_link():
+    """Offload moves every saved activation to host memory and back; the plan must not treat it
+    as free (it ranked offloaded configs first for Llama-3 8B on H100s when it did)."""
+    from tuner.devices import known_device
+    from tuner.perf.predictor import Predictor
+    from tuner.recipe import load_recipe
+
+    recipe = load_recipe(str(Path(__file__).resolve().parent.parent / "recipes" / "llama3-8b.yaml"))
+    h100 = known_device("H100", count=8)
+    plain = Config.from_params({"micro_batch_size": 1, "dp": 8, "dp_shard": "fsdp", "amp": "O2",
+                                "attention": "flash", "pin_memory": True})  # fmt: skip
+    offloaded = dataclasses.replace(plain, offload=True)
+    p = Predictor(h100).predict(recipe, [plain, offloaded])
+    work = p.works[1]
+    assert work.offload_bytes_micro > 1e9 and p.works[0].offload_bytes_micro == 0
+    extra = p.step_time_s[1] - p.step_time_s[0]
+    assert extra == pytest.approx(work.offload_bytes_micro * work.microbatches / 20e9, rel=0.05)
+
+
 def test_rest_plan_same_recipe_body_and_422_on_bad_input(tmp_path, priors):
     from api import Settings, create_app
     from api.auth import create_token
@@ -548,6 +567,7 @@ def test_rest_plan_same_recipe_body_and_422_on_bad_input(tmp_path, priors):
         assert r.status_code == 422 and "model.layers" in r.text
         r = client.post("/v1/plans?devices=0", json=tiny())
         assert r.status_code == 422 and "devices" in r.text
+
 
 
 def _complete_and_running(path) -> bool:

@@ -152,6 +152,11 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
         # Memory-bound bytes over the rank's threads (CPU) or devices: what one bandwidth unit moves.
         "mem_bytes": col(w.mem_bytes_micro / priors.threads(w.ranks) for w in works),
         "opt_bytes": col(w.opt_bytes / priors.threads(w.ranks) for w in works),
+        # Offloaded activations over the host link, at the prior's speed (seconds per micro-batch).
+        "offload_s": col(
+            w.offload_bytes_micro / priors.host_link[0 if c.pin_memory else 1]
+            for w, c in zip(works, configs, strict=True)
+        ),  # fmt: skip
         "tp_msgs": col(w.tp_messages_micro for w in works),
         "tp_bytes": col(w.tp_bytes_micro for w in works),
         "pp_msgs": col(w.pp_messages for w in works),
@@ -181,7 +186,12 @@ def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
     speed = speed * c["micro_tokens"] / (c["micro_tokens"] + math.exp(half))
     # One micro-batch on the busiest rank: matmuls at their speed, memory-bound kernels at the
     # memory's, host work per unit.
-    work = c["flops_micro"] / speed + c["mem_bytes"] / math.exp(mem_bw) + c["units"] * math.exp(host)
+    work = (
+        c["flops_micro"] / speed
+        + c["mem_bytes"] / math.exp(mem_bw)
+        + c["units"] * math.exp(host)
+        + c["offload_s"]
+    )
     # Ranks that share cores (more CPU ranks than cores: `oversub` > 1) queue for them. The step
     # then takes at least all ranks' work over the cores, and a pipeline stage's idle time is
     # another stage's turn, so the bubble and the queue do not compound. Each message waits for

@@ -67,6 +67,10 @@ class DevicePriors:
     mem_bandwidth: float = 5e9  # bytes/s of memory-bound kernels: one device (CPU: one thread)
     p2p_latency: float = 5e-5  # s per pipeline send or receive
     log_autocast: float = 0.0  # log speed of autocast's matmuls against the low dtype's peak
+    # bytes/s between a device and host memory for offloaded activations (pinned, pageable):
+    # PCIe Gen4 x16 copies run at about 25 GB/s from pinned buffers and half that from pageable
+    # ones. Not fitted: no trial here has offloaded (CPU has nothing to offload to).
+    host_link: tuple[float, float] = (20e9, 10e9)
 
     def peak(self, dtype: str, ranks: int = 1) -> float:
         """FLOP/s of one rank: a device, or on CPU its share of the cores (as the ranks set it)."""

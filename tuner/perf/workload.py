@@ -4,6 +4,7 @@ formulas (`tuner.estimate`, `tuner.workload.flops`) and the performance model.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ class StepWork:
     peak_mem_bytes: int  # the memory estimator's prediction
     busiest_share: float  # of the step's FLOPs, on the busiest pipeline stage (1 without a pipeline)
     estimate: Estimate = field(compare=False, repr=False)  # all of it (prune.verdict takes it)
+    # Bytes one micro-batch's saved activations move to host memory and back (offload), else 0.
+    offload_bytes_micro: float = 0.0
 
     @property
     def bubble_factor(self) -> float:
@@ -186,6 +189,13 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         per = _summed_bytes(device, _COMPRESSED_BYTES.get(c.grad_compression, p_bytes))
         dp_msgs = max(1, math.ceil(elems * p_bytes / (c.bucket_mb * MiB)))
         dp_bytes = _ring(elems * per, c.dp)
+    offload = 0.0
+    if c.offload:
+        # What offloading keeps off the device (the saved tensors of the micro-batches in
+        # flight) crosses the host link twice: out in the forward, back in the backward.
+        kept = estimate(recipe, dataclasses.replace(c, offload=False), device).activation_bytes
+        in_flight = 1 if c.pp == 1 else (n_micro if c.pp_schedule == "gpipe" else min(c.pp, n_micro))
+        offload = 2 * max(0, kept - est.activation_bytes) / in_flight
     return StepWork(
         tokens=recipe.tokens_per_step,
         microbatches=n_micro,
@@ -205,4 +215,5 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         peak_mem_bytes=int(est.peak_mem_bytes),
         busiest_share=busiest,
         estimate=est,
+        offload_bytes_micro=offload,
     )
