@@ -525,6 +525,32 @@ def test_tuner_plan_cli_json_and_bad_input(tmp_path):
     assert bad.returncode == 2 and "devices:" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_tuner_plan_for_a_catalogued_gpu_on_a_machine_without_one(tmp_path):
+    """Before booking GPUs: Llama-3 8B planned for 8 H100s from this CPU machine, from the H100's
+    datasheet priors, said to be a prediction; an unknown device name is a usage error."""
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "llama3-8b.yaml"
+    url = f"sqlite:///{tmp_path}/t.db"
+    base = [sys.executable, "-m", "tuner.cli.main", "plan", str(recipe), "--storage", url]
+    ok = subprocess.run(
+        [*base, "--device", "H100", "--devices", "8", "--top", "5", "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    plan = json.loads(ok.stdout)
+    assert plan["devices"] == 8 and plan["extrapolated"] is True and plan["observations"] == 0
+    assert "H100" in plan["basis"] and len(plan["rows"]) == 5
+    for row in plan["rows"]:
+        assert row["config"]["dp"] * row["config"].get("tp", 1) * row["config"].get("pp", 1) == 8
+        assert row["estimated_peak_mem_bytes"] < 80 * 2**30 * 1.15  # an H100's 80 GB, with the margin
+        # Llama-3 8B on one H100: between 1,000 and 20,000 tokens/s per GPU.
+        assert 8 * 1_000 < row["tokens_per_s"] < 8 * 20_000
+    bad = subprocess.run(
+        [*base, "--device", "H999"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2 and "device:" in bad.stderr and "H100" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_offloaded_activations_cost_their_bytes_over_the_host_link():
     """Offload moves every saved activation to host memory and back; the plan must not treat it
     as free (it ranked offloaded configs first for Llama-3 8B on H100s when it did)."""
@@ -567,7 +593,10 @@ def test_rest_plan_same_recipe_body_and_422_on_bad_input(tmp_path, priors):
         assert r.status_code == 422 and "model.layers" in r.text
         r = client.post("/v1/plans?devices=0", json=tiny())
         assert r.status_code == 422 and "devices" in r.text
-
+        r = client.post("/v1/plans?device=H100&top=2", json=tiny())
+        assert r.status_code == 200 and "H100" in r.json()["basis"] and r.json()["extrapolated"]
+        r = client.post("/v1/plans?device=H999", json=tiny())
+        assert r.status_code == 422 and "device" in r.text and "H100" in r.text
 
 
 def _complete_and_running(path) -> bool:

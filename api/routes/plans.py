@@ -23,17 +23,20 @@ async def create_plan(
     _: ReadAuth,
     devices: int | None = None,
     top: int = 10,
+    device: str | None = None,
 ):
     """Predicted tokens/s, step time, memory and a 90% interval for the best `top` configs of the
     recipe on `devices` (default: the recipe's), from the device priors and every trial this
-    service measured on the same fingerprint. `extrapolated` says when it goes beyond them."""
+    service measured on the same fingerprint. `extrapolated` says when it goes beyond them.
+    `device` (V100, A100, H100, H200, 910B): plan for that catalogued device instead of the
+    service's own, from its datasheet priors alone."""
     recipe = _parse_body(body, request.headers.get("content-type", ""))
     _check_recipe(recipe, settings)
     from tuner.perf.plan import PlanError, make_plan
 
     try:
         plan = await run_in_threadpool(
-            make_plan, recipe, devices=devices, top=top, storage_url=settings.database_url
+            make_plan, recipe, devices=devices, top=top, storage_url=settings.database_url, catalogued=device
         )
     except PlanError as err:
         raise ApiError(422, "cannot plan this recipe", [(err.field, str(err))]) from None

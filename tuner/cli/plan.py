@@ -11,13 +11,14 @@ from tuner.cli.common import fail, load_recipe_or_exit, storage_or_exit
 
 PLAN_HELP = """Rank every feasible config of RECIPE by predicted tokens/s, without running any.
 
-The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to the trials of this model measured on this machine's fingerprint in the database, starting from the device table's priors (the priors alone when there are none). Each row has a 90% interval and the chance it fits the memory budget. With --devices beyond this machine, the plan extrapolates and says so.
+The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to the trials of this model measured on this machine's fingerprint in the database, starting from the device table's priors (the priors alone when there are none). Each row has a 90% interval and the chance it fits the memory budget. With --devices beyond this machine, the plan extrapolates and says so. With --device NAME it plans for a catalogued device this machine is not (H100 on a laptop, before any GPU is booked), from that device's datasheet priors alone.
 
 \b
 Examples:
   tuner plan recipes/gpt-tiny.yaml
   tuner plan recipes/gpt-tiny.yaml --top 5 --json
   tuner plan recipes/gpt-tiny.yaml --devices 4 --storage sqlite:///tuner.db
+  tuner plan recipes/llama3-8b.yaml --device H100 --devices 8
 
 Exit status: 0 with a plan, 2 on bad input.
 """
@@ -57,6 +58,12 @@ def plan(
         metavar="URL",
         help="Database with measured trials (default: $TUNER_DATABASE_URL or sqlite:///tuner.db).",
     ),
+    device: str | None = typer.Option(
+        None,
+        "--device",
+        metavar="NAME",
+        help="Plan for a catalogued device instead of this machine's: V100, A100, H100, H200, 910B.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     recipe = load_recipe_or_exit(recipe_path)
@@ -64,7 +71,7 @@ def plan(
     from tuner.perf.plan import PlanError, make_plan
 
     try:
-        result = make_plan(recipe, devices=devices, top=top, storage_url=url)
+        result = make_plan(recipe, devices=devices, top=top, storage_url=url, catalogued=device)
     except PlanError as err:
         fail(str(err))
     except ValueError as err:  # a device family this machine lacks

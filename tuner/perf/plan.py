@@ -12,7 +12,8 @@ import numpy as np
 
 from tuner.baseline import baseline_config
 from tuner.config import Config
-from tuner.devices import DeviceInfo, describe, resolve_family
+from tuner.device_table import CATALOG
+from tuner.devices import DeviceInfo, describe, known_device, resolve_family
 from tuner.estimate import reserved_ratio_prior
 from tuner.perf.candidates import candidates
 from tuner.perf.observations import Observation, fingerprint_observations, same_model
@@ -81,8 +82,12 @@ def _for_devices(recipe: Recipe, devices: int) -> Recipe:
     return recipe.model_copy(update={"hardware": hardware})
 
 
-def check_plan_input(recipe: Recipe, devices: int | None, top: int) -> None:
+def check_plan_input(recipe: Recipe, devices: int | None, top: int, catalogued: str | None = None) -> None:
     """The plan's own input rules, for the CLI and REST alike (raises PlanError)."""
+    if catalogued is not None and catalogued not in CATALOG:
+        raise PlanError(
+            "device", f"unknown device {catalogued!r}; give one of {', '.join(CATALOG)}, e.g. --device H100"
+        )
     if devices is not None and not 1 <= devices <= MAX_DEVICES:
         raise PlanError("devices", f"give a device count from 1 to {MAX_DEVICES}, e.g. --devices 8")
     if not 1 <= top <= MAX_TOP:
@@ -98,12 +103,15 @@ def make_plan(
     device: DeviceInfo | None = None,
     priors: DevicePriors | None = None,
     observations: list[Observation] | None = None,
+    catalogued: str | None = None,
 ) -> Plan:
     """The plan for `recipe` on `devices` (default: the recipe's). Observations default to every
-    measured trial on this machine's fingerprint in `storage_url` (none without one)."""
+    measured trial on this machine's fingerprint in `storage_url` (none without one).
+    `catalogued`: plan for a device of the catalogue (`tuner.device_table.CATALOG`, e.g. "H100")
+    instead of this machine's, from its datasheet priors alone: before any GPU is booked."""
     return ranked_plan(
         recipe, devices=devices, top=top, storage_url=storage_url, device=device, priors=priors,
-        observations=observations,
+        observations=observations, catalogued=catalogued,
     )[0]  # fmt: skip
 
 
@@ -116,15 +124,19 @@ def ranked_plan(
     device: DeviceInfo | None = None,
     priors: DevicePriors | None = None,
     observations: list[Observation] | None = None,
+    catalogued: str | None = None,
 ) -> tuple[Plan, PlanOrder]:
     """`make_plan`, and where every ranked config landed."""
-    check_plan_input(recipe, devices, top)
+    check_plan_input(recipe, devices, top, catalogued)
+    n = devices or recipe.hardware.devices
+    if catalogued is not None:
+        # Nothing measured on this machine says how that one runs: its priors alone.
+        device, observations = known_device(catalogued, count=n), []
     # A given device may be one this machine lacks (a study's, read from its fingerprint).
     family = device.family if device else resolve_family(recipe.hardware.device)
     device = device or describe(family)
-    n = devices or recipe.hardware.devices
     try:
-        space = load_space(recipe.search.space or family).narrow(recipe.search.overrides)
+        space = load_space(_space_name(recipe, family, catalogued)).narrow(recipe.search.overrides)
     except SpaceError as err:
         raise PlanError("search.space", str(err)) from None
     if not space.splits(n):
@@ -153,7 +165,7 @@ def ranked_plan(
     order = _order(predictor, target, pool, ([works[i] for i in keep], feats.take(keep)))
     rows = _rows(order, same, top)
     measured_ranks = max((o.config.world_size for o in observations), default=0)
-    extrapolated = n > device.count or bool(observations) and n > measured_ranks
+    extrapolated = catalogued is not None or n > device.count or bool(observations) and n > measured_ranks
     plan = Plan(
         recipe=recipe.name,
         devices=n,
@@ -161,10 +173,19 @@ def ranked_plan(
         extrapolated=extrapolated,
         observations=len(observations),
         considered=len(pool),
-        basis=_basis(observations, n, device, measured_ranks),
+        basis=_basis(observations, n, device, measured_ranks, catalogued),
         rows=rows,
     )
     return plan, order
+
+
+def _space_name(recipe: Recipe, family: str, catalogued: str | None) -> str:
+    """The recipe's space; for a catalogued device, that device family's own space where the
+    recipe names another family's (a CPU recipe planned for an H100)."""
+    name = recipe.search.space or family
+    if catalogued is not None and name in ("cpu", "cuda", "npu") and name != family:
+        return family
+    return name
 
 
 def _stored(url: str, family: str, recipe: Recipe) -> list[Observation]:
@@ -207,7 +228,11 @@ def _rows(order: PlanOrder, same: list[Observation], top: int) -> list[PlanRow]:
     ]
 
 
-def _basis(observations: list[Observation], n: int, device: DeviceInfo, measured_ranks: int) -> str:
+def _basis(
+    observations: list[Observation], n: int, device: DeviceInfo, measured_ranks: int, catalogued: str | None
+) -> str:
+    if catalogued is not None:
+        return f"the catalogued {device.name}'s datasheet priors only (no trial measured on one)"
     if not observations:
         head = "device-table priors only (no measured trial of this model on this machine's fingerprint)"
     else:
