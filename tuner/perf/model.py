@@ -156,7 +156,7 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
         "offload_s": col(
             w.offload_bytes_micro / priors.host_link[0 if c.pin_memory else 1]
             for w, c in zip(works, configs, strict=True)
-        ),  # fmt: skip
+        ),
         "tp_msgs": col(w.tp_messages_micro for w in works),
         "tp_bytes": col(w.tp_bytes_micro for w in works),
         "pp_msgs": col(w.pp_messages for w in works),

@@ -13,7 +13,7 @@ import numpy as np
 from tuner.baseline import baseline_config
 from tuner.config import Config
 from tuner.device_table import CATALOG
-from tuner.devices import DeviceInfo, describe, known_device, resolve_family
+from tuner.devices import FAMILIES, DeviceInfo, describe, known_device, resolve_family
 from tuner.estimate import reserved_ratio_prior
 from tuner.perf.candidates import candidates
 from tuner.perf.observations import Observation, fingerprint_observations, same_model
@@ -183,7 +183,7 @@ def _space_name(recipe: Recipe, family: str, catalogued: str | None) -> str:
     """The recipe's space; for a catalogued device, that device family's own space where the
     recipe names another family's (a CPU recipe planned for an H100)."""
     name = recipe.search.space or family
-    if catalogued is not None and name in ("cpu", "cuda", "npu") and name != family:
+    if catalogued is not None and name in FAMILIES and name != family:
         return family
     return name
 
