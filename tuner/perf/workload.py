@@ -189,13 +189,6 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         per = _summed_bytes(device, _COMPRESSED_BYTES.get(c.grad_compression, p_bytes))
         dp_msgs = max(1, math.ceil(elems * p_bytes / (c.bucket_mb * MiB)))
         dp_bytes = _ring(elems * per, c.dp)
-    offload = 0.0
-    if c.offload:
-        # What offloading keeps off the device (the saved tensors of the micro-batches in
-        # flight) crosses the host link twice: out in the forward, back in the backward.
-        kept = estimate(recipe, dataclasses.replace(c, offload=False), device).activation_bytes
-        in_flight = 1 if c.pp == 1 else (n_micro if c.pp_schedule == "gpipe" else min(c.pp, n_micro))
-        offload = 2 * max(0, kept - est.activation_bytes) / in_flight
     return StepWork(
         tokens=recipe.tokens_per_step,
         microbatches=n_micro,
@@ -215,5 +208,14 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         peak_mem_bytes=int(est.peak_mem_bytes),
         busiest_share=busiest,
         estimate=est,
-        offload_bytes_micro=offload,
+        offload_bytes_micro=_offload_bytes(recipe, c, device, est, n_micro) if c.offload else 0.0,
     )
+
+
+def _offload_bytes(recipe: Recipe, c: Config, device: DeviceInfo, est: Estimate, n_micro: int) -> float:
+    """Bytes one micro-batch's offloaded activations move: what offloading keeps off the device
+    (the saved tensors of the micro-batches in flight) crosses the host link twice, out in the
+    forward and back in the backward."""
+    kept = estimate(recipe, dataclasses.replace(c, offload=False), device).activation_bytes
+    in_flight = 1 if c.pp == 1 else (n_micro if c.pp_schedule == "gpipe" else min(c.pp, n_micro))
+    return 2 * max(0, kept - est.activation_bytes) / in_flight
