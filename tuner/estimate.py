@@ -71,6 +71,7 @@ class Estimate:
     accumulated_grads_bytes: int = 0  # gradients of earlier microbatches, alive in the last one's backward
     optimizer_step_bytes: int = 0  # the part of optimizer_bytes that exists only while stepping
     peak_phase: str = "backward"  # the moment that sets the peak: backward | optimizer
+    offloaded_bytes: int = 0  # saved tensors of one microbatch that offload keeps in host memory
 
     def breakdown(self) -> dict[str, float | str]:
         """Every term in GiB (and the FLOPs in TFLOP), for tables and trial evidence."""
@@ -130,7 +131,7 @@ def estimate(recipe: Recipe, config: Config, device: DeviceInfo) -> Estimate:
 
 def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Estimate:
     state = _state_bytes(recipe, config, stage)
-    activations, logits, workspace = _activation_bytes(recipe, config, device, stage)
+    activations, logits, workspace, offloaded = _activation_bytes(recipe, config, device, stage)
     overhead = FAMILY_OVERHEAD_BYTES.get(device.family, 256 * MiB)
     if config.amp != "O0":
         overhead += LOW_PRECISION_KERNEL_BYTES.get(device.family, 0)
@@ -155,6 +156,7 @@ def _stage(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> Es
         accumulated_grads_bytes=int(state.accumulated),
         optimizer_step_bytes=int(state.step),
         peak_phase="backward" if backward >= optimizer else "optimizer",
+        offloaded_bytes=int(offloaded),
     )
 
 
@@ -249,9 +251,12 @@ def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str
     return {"none": full, "full": bsh * resid // seq, "selective": selective}
 
 
-def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage: int) -> tuple[int, int, int]:
+def _activation_bytes(
+    recipe: Recipe, config: Config, device: DeviceInfo, stage: int
+) -> tuple[int, int, int, int]:
     """(tensors saved for backward with every microbatch in flight plus one block's workspace,
-    the loss's temporaries over the logits, that workspace)."""
+    the loss's temporaries over the logits, that workspace, the saved tensors of one microbatch
+    that offload keeps in host memory instead)."""
     m, c = recipe.model, config
     family = family_of(m)
     last = stage == c.pp - 1
@@ -261,6 +266,7 @@ def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage:
     layers = m.layers // c.pp
     k = recomputed_layers(layers, c.recompute_layers) if c.recompute != "none" else 0
     saved = k * per_layer[c.recompute] + (layers - k) * per_layer["none"]
+    offloaded = saved if c.offload else 0
     if c.offload:
         saved = 0  # saved tensors live in host memory
     n_micro = microbatches(c, recipe)
@@ -286,7 +292,7 @@ def _activation_bytes(recipe: Recipe, config: Config, device: DeviceInfo, stage:
             per_token = 12 + ((low or 4) if c.pp > 1 else 0)
         gpipe = n_micro if c.pp > 1 and c.pp_schedule == "gpipe" else 1
         logits = per_token * b * s * m.vocab // c.tp * gpipe
-    return activations, logits, workspace
+    return activations, logits, workspace, offloaded
 
 
 def _attention_matrix(backend: str, b: int, heads: int, s: int, comp: int, family: str, qkv: int) -> int:

@@ -4,7 +4,6 @@ formulas (`tuner.estimate`, `tuner.workload.flops`) and the performance model.""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -208,14 +207,6 @@ def step_work(recipe: Recipe, config: Config, device: DeviceInfo) -> StepWork:
         peak_mem_bytes=int(est.peak_mem_bytes),
         busiest_share=busiest,
         estimate=est,
-        offload_bytes_micro=_offload_bytes(recipe, c, device, est, n_micro) if c.offload else 0.0,
+        # Offloaded tensors cross the host link twice: out in the forward, back in the backward.
+        offload_bytes_micro=2.0 * est.offloaded_bytes,
     )
-
-
-def _offload_bytes(recipe: Recipe, c: Config, device: DeviceInfo, est: Estimate, n_micro: int) -> float:
-    """Bytes one micro-batch's offloaded activations move: what offloading keeps off the device
-    (the saved tensors of the micro-batches in flight) crosses the host link twice, out in the
-    forward and back in the backward."""
-    kept = estimate(recipe, dataclasses.replace(c, offload=False), device).activation_bytes
-    in_flight = 1 if c.pp == 1 else (n_micro if c.pp_schedule == "gpipe" else min(c.pp, n_micro))
-    return 2 * max(0, kept - est.activation_bytes) / in_flight
