@@ -12,7 +12,6 @@ import numpy as np
 
 from tuner.baseline import baseline_config
 from tuner.config import Config
-from tuner.device_table import CATALOG
 from tuner.devices import FAMILIES, DeviceInfo, describe, known_device, resolve_family
 from tuner.estimate import reserved_ratio_prior
 from tuner.perf.candidates import candidates
@@ -82,12 +81,8 @@ def _for_devices(recipe: Recipe, devices: int) -> Recipe:
     return recipe.model_copy(update={"hardware": hardware})
 
 
-def check_plan_input(recipe: Recipe, devices: int | None, top: int, catalogued: str | None = None) -> None:
+def check_plan_input(recipe: Recipe, devices: int | None, top: int) -> None:
     """The plan's own input rules, for the CLI and REST alike (raises PlanError)."""
-    if catalogued is not None and catalogued not in CATALOG:
-        raise PlanError(
-            "device", f"unknown device {catalogued!r}; give one of {', '.join(CATALOG)}, e.g. --device H100"
-        )
     if devices is not None and not 1 <= devices <= MAX_DEVICES:
         raise PlanError("devices", f"give a device count from 1 to {MAX_DEVICES}, e.g. --devices 8")
     if not 1 <= top <= MAX_TOP:
@@ -127,11 +122,14 @@ def ranked_plan(
     catalogued: str | None = None,
 ) -> tuple[Plan, PlanOrder]:
     """`make_plan`, and where every ranked config landed."""
-    check_plan_input(recipe, devices, top, catalogued)
+    check_plan_input(recipe, devices, top)
     n = devices or recipe.hardware.devices
     if catalogued is not None:
         # Nothing measured on this machine says how that one runs: its priors alone.
-        device, observations = known_device(catalogued, count=n), []
+        try:
+            device, observations = known_device(catalogued, count=n), []
+        except ValueError as err:  # not in the catalogue: the error lists what is
+            raise PlanError("device", f"{err}; e.g. --device H100") from None
     # A given device may be one this machine lacks (a study's, read from its fingerprint).
     family = device.family if device else resolve_family(recipe.hardware.device)
     device = device or describe(family)
