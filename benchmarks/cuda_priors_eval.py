@@ -22,14 +22,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_measure import BASE, _recipe  # noqa: E402
+from perf_model_eval import spearman  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 MEASURED = ROOT / "results" / "cuda-h200-dec04-measured.csv"
 RECIPE = ROOT / "recipes" / "llama3-8b-4l-1gpu.yaml"
-
-
-def _ranks(values) -> np.ndarray:
-    return np.argsort(np.argsort(np.asarray(values, dtype=float)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,10 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|")
     for r, m, p, e in zip(rows, measured, predicted, errors, strict=True):
         print(f"| {r['knobs']} | {m:,.0f} | {p:,.0f} | {e:+.1%} |")
-    spearman = float(np.corrcoef(_ranks(measured), _ranks(predicted))[0, 1])
-    print(
-        f"\nmedian |error| {np.median(np.abs(errors)):.1%}, Spearman {spearman:.3f} over {len(rows)} configs"
-    )
+    rank = spearman(measured, predicted)
+    print(f"\nmedian |error| {np.median(np.abs(errors)):.1%}, Spearman {rank:.3f} over {len(rows)} configs")
     return 0
 
 

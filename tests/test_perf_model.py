@@ -748,13 +748,11 @@ def test_the_cuda_priors_alone_predict_the_h200_measurements_within_ten_percent(
     assert median < 10, last
 
 
-def test_before_any_trial_a_gpu_config_well_inside_the_memory_is_likely_to_fit():
+def test_before_any_trial_a_gpu_config_well_inside_the_memory_is_likely_to_fit(monkeypatch):
     """On an H200 the estimator was within 6% of six configs' peaks (BENCHMARKS section 13), but
     the memory model's knob prior, as wide as CPU's, gave a config predicted at 100 of 140 GiB a
     0.58 chance to fit before any trial. CUDA's own prior says what was measured."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from cuda_measure import BASE, _recipe
 
     from tuner.config import Config
