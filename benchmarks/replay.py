@@ -32,7 +32,6 @@ best), failed_device_s, failed_fraction. Without it, a Markdown table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -176,27 +175,16 @@ class TableExecutor(Executor):
     def cancel(self) -> None:
         self._done = []
 
+    def device_priors(self, device):
+        """The priors of the machine that measured the table (as a study there would start from:
+        its own one-thread matmul peaks), not those of the machine replaying it. Without them the
+        model sampler's figures depended on the host that ran the replay."""
+        return self.table.priors
+
 
 def _space(table: Table):
     r = table.recipe
     return load_space(r.search.space or "cpu").narrow(r.search.overrides)
-
-
-@contextlib.contextmanager
-def measured_on(table: Table):
-    """Within the block, a study's performance model starts from the priors of the machine that
-    measured `table` (as a study there would: its own one-thread matmul peaks), not from the
-    priors of the machine replaying it. Without this the model sampler's figures depended on the
-    host that ran the replay."""
-    from tuner.perf import predictor
-
-    here = predictor.device_priors
-    if table.priors is not None:
-        predictor.device_priors = lambda device: table.priors
-    try:
-        yield
-    finally:
-        predictor.device_priors = here
 
 
 def strategy_tuner(table: Table, seed: int, budget: int, sampler: str | None = None) -> list[Run]:
@@ -204,7 +192,7 @@ def strategy_tuner(table: Table, seed: int, budget: int, sampler: str | None = N
     from tuner.study import run_study
 
     ex = TableExecutor(table, random.Random(seed))
-    with tempfile.TemporaryDirectory(prefix="replay-") as tmp, measured_on(table):
+    with tempfile.TemporaryDirectory(prefix="replay-") as tmp:
         # Pruned trials count against `trials` but cost nothing; give room for `budget` runs.
         run_study(
             table.recipe,

@@ -660,11 +660,14 @@ def test_the_replay_searches_as_on_the_machine_that_measured_the_table(monkeypat
     monkeypatch.syspath_prepend(str(root / "benchmarks"))
     import replay
 
-    from tuner.perf.predictor import Predictor
+    from tuner.perf.sampler import ModelSampler, SamplerContext
 
     table = replay.Table.load(str(root / "benchmarks" / "tables" / "cpu-spr-gpt-tiny-quick.csv"), 0.15)
-    with replay.measured_on(table):
-        assert Predictor(describe("cpu")).priors.peak_flops == table.priors.peak_flops
+    ex = replay.TableExecutor(table, random.Random(0))
+    context = SamplerContext(
+        table.recipe, replay._space(table), describe("cpu"), (), ex.device_priors(describe("cpu"))
+    )
+    assert ModelSampler(context).predictor.priors.peak_flops == table.priors.peak_flops
 
     def values(runs):
         return [(r.value, r.failed) for r in runs]

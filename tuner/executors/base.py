@@ -7,8 +7,13 @@ Implementations: `local.LocalExecutor` (subprocesses on this machine) and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from tuner.result import TrialResult, TrialSpec
+
+if TYPE_CHECKING:
+    from tuner.devices import DeviceInfo
+    from tuner.perf.priors import DevicePriors
 
 
 class Executor(ABC):
@@ -47,6 +52,11 @@ class Executor(ABC):
 
     def close(self) -> None:
         self.cancel()
+
+    def device_priors(self, device: DeviceInfo) -> DevicePriors | None:
+        """The performance model's priors for the machine these trials run on, where this host's
+        own (`tuner.perf.priors.device_priors(device)`, the default: None) would be wrong."""
+        return None
 
     def run(self, spec: TrialSpec) -> TrialResult:
         """Run one trial to completion (convenience for `tuner measure` and tests)."""

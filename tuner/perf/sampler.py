@@ -56,6 +56,8 @@ class SamplerContext:
     # Measured trials of earlier studies of this model on this machine's fingerprint
     # (`observations.fingerprint_observations`): more of its trials, fitted with the study's own.
     history: tuple[Observation, ...] = ()
+    # The performance model's priors, where not this host's (`Executor.device_priors`).
+    priors: DevicePriors | None = None
 
 
 def _normal_cdf(z: np.ndarray) -> np.ndarray:
@@ -92,10 +94,10 @@ def _config_of(params: dict[str, Any]) -> Config | None:
 
 
 class ModelSampler(optuna.samplers.BaseSampler):
-    def __init__(self, context: SamplerContext, seed: int = 0, priors: DevicePriors | None = None):
+    def __init__(self, context: SamplerContext, seed: int = 0):
         self.context = context
         self.seed = seed
-        self.predictor = Predictor(context.device, priors)
+        self.predictor = Predictor(context.device, context.priors)
         self._tpe = optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
         self._choice: dict[int, Config] = {}
         self._fitted_on: int | None = None

@@ -115,7 +115,8 @@ class Driver:
         if self.budget.sampler == "model":
             fp = fingerprint_hash(self.fp)
             history = tuple(fingerprint_observations(self.url, fp, self.recipe, exclude=self.name))
-        context = SamplerContext(self.recipe, self.space, self.device, history)
+        priors = self.executor.device_priors(self.device)
+        context = SamplerContext(self.recipe, self.space, self.device, history, priors)
         # Offset the seed by the trials so far so a resumed random/grid search does not replay itself.
         sampler = make_sampler(self.budget.sampler, self.budget.seed + n_before, self.multi, context)
         self.study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
