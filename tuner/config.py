@@ -291,6 +291,21 @@ def shape_reasons(config: Config, recipe: Recipe) -> list[tuple[str, str]]:
     return r
 
 
+def device_count_reason(recipe: Recipe, device: DeviceInfo) -> str | None:
+    """Why this machine cannot hold the recipe's devices (None when it can): all of them for a
+    one-node recipe, each node's share for one over `hardware.nodes` machines (every node is taken
+    to be like this one)."""
+    want, per_node, nodes = recipe.hardware.devices, recipe.hardware.devices_per_node, recipe.hardware.nodes
+    if nodes == 1 and want > device.count:
+        return f"hardware.devices is {want} but this machine has {device.count} {device.family} devices"
+    if per_node > device.count:
+        return (
+            f"hardware.devices is {want} over {nodes} nodes, {per_node} per node, but this machine has "
+            f"{device.count} {device.family} devices"
+        )
+    return None
+
+
 def _split_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
     """The parallel split against the devices, the model's shapes and the batch."""
     r: list[str] = []
@@ -301,13 +316,8 @@ def _split_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[s
             f"but hardware.devices is {want}"
         )
     per_node, nodes = recipe.hardware.devices_per_node, recipe.hardware.nodes
-    if nodes == 1 and want > device.count:
-        r.append(f"hardware.devices is {want} but this machine has {device.count} {device.family} devices")
-    elif per_node > device.count:
-        r.append(
-            f"hardware.devices is {want} over {nodes} nodes, {per_node} per node, but this machine has "
-            f"{device.count} {device.family} devices"
-        )
+    if (too_many := device_count_reason(recipe, device)) is not None:
+        r.append(too_many)
     if nodes > 1 and per_node % config.tp:
         r.append(
             f"tp ({config.tp}) must divide the devices per node ({per_node}): tensor-parallel groups "

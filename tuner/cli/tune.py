@@ -54,6 +54,7 @@ def register(app: typer.Typer) -> None:
 
 def _preflight(recipe: Any, sampler: str) -> None:
     """Check what would otherwise surface mid-study, so bad input costs no device time."""
+    from tuner.config import device_count_reason
     from tuner.devices import describe, resolve_family
     from tuner.space import SpaceError, load_space
     from tuner.study import make_sampler
@@ -66,12 +67,12 @@ def _preflight(recipe: Any, sampler: str) -> None:
         make_sampler(sampler, 0, recipe.search.objective == "throughput_memory", context)
     except (SpaceError, ValueError) as err:
         fail(str(err))
-    have = describe(family).count
-    if recipe.hardware.devices > have:
-        fail(
-            f"hardware.devices: the recipe asks for {recipe.hardware.devices} {family} devices but this "
-            f"machine has {have}; lower hardware.devices"
+    too_many = device_count_reason(recipe, describe(family))
+    if too_many is not None:
+        more = (
+            "" if recipe.hardware.nodes > 1 else " (or, with --executor ray, spread them with hardware.nodes)"
         )
+        fail(f"{too_many}; lower hardware.devices{more}")
     if not space.splits(recipe.hardware.devices):
         fail(
             f"search.overrides: no dp*tp*pp split in the space multiplies to hardware.devices={recipe.hardware.devices}"
