@@ -111,3 +111,22 @@ def test_comparison_says_faster_or_slower_with_both_numbers():
     )
     slower = _speed_line(500.0, 1000.0, "default")
     assert "2.00x slower" in slower and "kernels are kept" in slower and "1,000" in slower
+
+
+def test_a_gpu_winner_over_more_devices_than_this_machine_is_refused_and_a_cpu_one_is_not():
+    """`tuner build` compiles and measures every rank on its own machine: a multi-node GPU winner
+    whose ranks need more GPUs than the machine has is refused up front, naming both counts and
+    the fix; on CPU the ranks share cores, and the build goes ahead."""
+    from tuner.build.select import machine_refusal
+
+    two_nodes = recipe_from_dict(
+        {"name": "t", "model": {"layers": 2, "hidden": 64, "heads": 2, "seq_len": 32, "vocab": 256},
+         "train": {"global_batch_size": 16}, "hardware": {"device": "cpu", "devices": 16, "nodes": 2}}
+    )  # fmt: skip
+    winner = Config(dp=16, micro_batch_size=1)
+    said = machine_refusal(winner, two_nodes, "cuda", 7, have=8)
+    assert said is not None and "trial 7 runs over 2 nodes (16 cuda devices)" in said
+    assert "which has 8" in said and "on a machine with 16 cuda devices" in said
+    assert machine_refusal(winner, two_nodes, "cuda", 7, have=16) is None
+    assert machine_refusal(winner, two_nodes, "cpu", 7, have=2) is None
+    assert machine_refusal(winner, RECIPE, "cuda", 7, have=1) is None

@@ -22,7 +22,7 @@ from tuner.build.launch import write_launch
 from tuner.build.phases import run_phase
 from tuner.build.register import register
 from tuner.build.report import cache_misses, summary_lines
-from tuner.build.select import build_plan, load_trial
+from tuner.build.select import build_plan, load_trial, machine_refusal
 from tuner.config import Config
 from tuner.models.base import Requirement
 from tuner.recipe import Recipe
@@ -74,10 +74,13 @@ def _plan(
     store: ArtifactStore,
     timeout_s: float,
 ) -> _Plan:
-    from tuner.devices import resolve_family
+    from tuner.devices import describe, resolve_family
 
     family = resolve_family(recipe.hardware.device)
     study, number, config, measured = load_trial(recipe, family, study_name, trial_number, url)
+    refusal = machine_refusal(config, recipe, family, number, describe(family).count)
+    if refusal is not None:
+        raise BuildError(refusal)
     built, no_kernels = build_plan(config, recipe, family)
     store.root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".work-{study[:40]}-{number}-", dir=store.root))
