@@ -11,7 +11,7 @@ from tuner.cli.common import fail, load_recipe_or_exit, storage_or_exit
 
 PLAN_HELP = """Rank every feasible config of RECIPE by predicted tokens/s, without running any.
 
-The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to the trials of this model measured on this machine's fingerprint in the database, starting from the device table's priors (the priors alone when there are none). Each row has a 90% interval and the chance it fits the memory budget. With --devices beyond this machine, the plan extrapolates and says so. With --device NAME it plans for a catalogued device this machine is not (H100 on a laptop, before any GPU is booked), from that device's datasheet priors alone.
+The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to the trials of this model measured on this machine's fingerprint in the database, starting from the device table's priors (the priors alone when there are none). Each row has a 90% interval and the chance it fits the memory budget (P(fit)). Rows are in the order of what a run is expected to deliver: predicted tokens/s, scaled down where P(fit) is under 0.5; within 1% of each other, the config that changes fewer knobs comes first. With --devices beyond this machine, the plan extrapolates and says so. With --device NAME it plans for a catalogued device this machine is not (H100 on a laptop, before any GPU is booked), from that device's datasheet priors alone.
 
 \b
 Examples:
