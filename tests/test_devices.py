@@ -52,8 +52,9 @@ def test_cpu_is_always_available_and_auto_picks_it_without_accelerators():
 def test_missing_family_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("machine has CUDA")
-    with pytest.raises(ValueError, match=r"hardware.device: cuda requested but not available.*cpu"):
+    with pytest.raises(ValueError, match=r"hardware.device: cuda requested but not available.*cpu") as err:
         devices.resolve_family("cuda")
+    assert "on one of its cuda nodes" in str(err.value)  # where to run a study for a Ray cluster's GPUs
 
 
 def test_npu_selected_when_torch_npu_imports(fake_npu):

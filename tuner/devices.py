@@ -86,7 +86,9 @@ def resolve_family(requested: str = "auto") -> str:
     if requested not in fams:
         raise ValueError(
             f"hardware.device: {requested} requested but not available on this machine "
-            f"(available: {', '.join(fams)}); set hardware.device to auto or one of those"
+            f"(available: {', '.join(fams)}); set hardware.device to auto or one of those, or run this "
+            f"on a machine that has {requested} (with a Ray cluster, on one of its {requested} nodes: a "
+            "study describes its devices from the machine it runs on)"
         )
     return requested
 
