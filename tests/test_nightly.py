@@ -369,3 +369,22 @@ def test_a_recipe_for_a_device_this_machine_lacks_fails_with_the_fix(tmp_path):
     assert code == 1 and "gpu: FAILED" in out and "set hardware.device to auto" in out
     doc = json.loads((tmp_path / "rep" / f"nightly-{dt.date.today()}.json").read_text())
     assert doc["verdicts"]["failed"] == ["gpu"]
+
+
+def test_a_recipe_this_machine_cannot_hold_fails_with_the_fix_before_any_trial(tmp_path):
+    """The nightly's local run checks what `tuner tune` checks first: a recipe asking for more
+    devices than the machine has fails with the field and the fix, and no trial is run for it."""
+    (tmp_path / "big.yaml").write_text(
+        "name: big\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
+        "hardware: {device: cpu, devices: 4096}\n"
+    )
+    args = ["nightly", str(tmp_path / "big.yaml"), "--local", "--report", str(tmp_path / "rep")]
+    code, out = invoke([*args, "--storage", f"sqlite:///{tmp_path}/t.db"])
+    text = " ".join(out.split())
+    assert code == 1 and "big: FAILED (hardware.devices is 4096 but this machine has" in text
+    assert "lower hardware.devices" in text
+    import optuna
+
+    assert not [n for n in optuna.get_all_study_names(f"sqlite:///{tmp_path}/t.db") if "big" in n]  # no study
+    doc = json.loads((tmp_path / "rep" / f"nightly-{dt.date.today()}.json").read_text())
+    assert doc["verdicts"]["failed"] == ["big"]

@@ -53,29 +53,28 @@ def test_tune_rejects_bad_input_with_exit_2_and_the_field(tmp_path, args, change
     assert "Traceback" not in result.output
 
 
-def test_a_recipe_over_several_nodes_is_checked_per_node_not_against_this_machine_alone(tmp_path, capsys):
+def test_a_recipe_over_several_nodes_is_checked_per_node_not_against_this_machine_alone(tmp_path):
     """`tuner tune --executor ray` with `hardware.nodes`: each node holds its share of the devices, so
     a recipe whose total is more than this machine has passes when each node's share fits (it used
     to be refused as if one machine had to hold them all), and one whose share does not is refused
     naming the share per node."""
-    import typer
-
-    from tuner.cli.tune import _preflight
     from tuner.devices import describe
     from tuner.recipe import load_recipe
+    from tuner.study.preflight import PreflightError, preflight
 
     have = describe("cpu").count
     doc = {
         "hardware": {"device": "cpu", "devices": 2 * have, "nodes": 2},
         "train": {"global_batch_size": 16 * have},
     }
-    _preflight(load_recipe(write_recipe(tmp_path, **doc)), "model")  # each node: this machine's count
+    preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", "ray")  # each node: this machine's count
+    with pytest.raises(PreflightError, match="needs the Ray executor"):
+        preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", "local")
 
     doc["hardware"]["devices"] = 4 * have
-    with pytest.raises(typer.Exit):
-        _preflight(load_recipe(write_recipe(tmp_path, **doc)), "model")
-    said = " ".join(capsys.readouterr().err.split())
-    assert f"over 2 nodes, {2 * have} per node, but this machine has {have} cpu devices" in said
+    with pytest.raises(PreflightError) as err:
+        preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", "ray")
+    assert f"over 2 nodes, {2 * have} per node, but this machine has {have} cpu devices" in str(err.value)
     result = runner.invoke(app, ["tune", write_recipe(tmp_path, **doc), "--executor", "local"])
     assert result.exit_code == 2 and "Ray" in result.output  # the local executor runs one node only
 

@@ -146,6 +146,8 @@ def test_workers_recovering_at_once_move_a_dead_workers_job_once(db_url):
 class _Executor:
     """Records cancel(); the stand-in study below never submits a trial."""
 
+    name = "local"  # what the worker's checks take it for
+
     def __init__(self):
         self.cancelled = threading.Event()
 
@@ -226,6 +228,26 @@ def test_a_study_with_no_ok_trial_fails_the_job_with_a_reason(sqlite_url, monkey
     with session_scope(sqlite_url) as s:
         job = s.get(Job, job_id)
         assert job.state == "failed" and "no trial finished ok" in job.error
+
+
+def test_a_recipe_this_worker_cannot_hold_fails_with_the_fix_and_runs_no_study(sqlite_url, monkeypatch):
+    """The API's host cannot know a worker's devices; the worker checks them before the study (the
+    checks `tuner tune` makes), so a recipe asking for more than it has fails at once, saying why."""
+
+    def no_study(*_a, **_kw):
+        raise AssertionError("the study must not start")
+
+    monkeypatch.setattr("tuner.study.run_study", no_study)
+    big = parse_recipe(
+        "name: w\nmodel: {layers: 1, hidden: 16, heads: 2, seq_len: 8, vocab: 32}\n"
+        "hardware: {device: cpu, devices: 4096}\nsearch: {trials: 4, timeout_min: 1}\n"
+    )
+    job_id = _queue(sqlite_url, recipe=big.to_dict(), recipe_hash=big.hash())[0]
+    _worker(sqlite_url).run_once()
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        assert job.state == "failed" and job.study_name is None
+        assert "this worker cannot run the recipe: hardware.devices is 4096 but this machine has" in job.error
 
 
 @pytest.mark.parametrize("raise_on_stop", [False, True])

@@ -52,36 +52,6 @@ def register(app: typer.Typer) -> None:
     app.command("show", help=SHOW_HELP, no_args_is_help=True)(show)
 
 
-def _preflight(recipe: Any, sampler: str) -> None:
-    """Check what would otherwise surface mid-study, so bad input costs no device time."""
-    from tuner.config import device_count_reason
-    from tuner.devices import describe, resolve_family
-    from tuner.space import SpaceError, load_space
-    from tuner.study import make_sampler
-    from tuner.study.samplers import SamplerContext
-
-    try:
-        family = resolve_family(recipe.hardware.device)
-        space = load_space(recipe.search.space or family).narrow(recipe.search.overrides)
-        context = SamplerContext(recipe, space, describe(family))
-        make_sampler(sampler, 0, recipe.search.objective == "throughput_memory", context)
-    except (SpaceError, ValueError) as err:
-        fail(str(err))
-    too_many = device_count_reason(recipe, describe(family))
-    if too_many is not None:
-        more = (
-            "" if recipe.hardware.nodes > 1 else " (or, with --executor ray, spread them with hardware.nodes)"
-        )
-        fail(f"{too_many}; lower hardware.devices{more}")
-    if not space.splits(recipe.hardware.devices):
-        fail(
-            f"search.overrides: no dp*tp*pp split in the space multiplies to hardware.devices={recipe.hardware.devices}"
-        )
-    shape = space.shape_problem(recipe)
-    if shape:
-        fail(f"{shape[0]}: {shape[1]}")
-
-
 def short_config(config: dict[str, Any]) -> str:
     from tuner.config import short_config as one_line  # torch loads with it: only when printing
 
@@ -137,14 +107,9 @@ def tune(
         fail(f"--sampler: unknown sampler {sampler!r}; use one of {', '.join(SAMPLERS)}")
     if executor not in ("local", "ray"):
         fail(f"--executor: unknown executor {executor!r}; use local or ray")
-    if executor == "local":
-        from tuner.executors.local import multi_node_refusal
-
-        refusal = multi_node_refusal(recipe.hardware.nodes)
-        if refusal:
-            fail(refusal)
     from tuner.executors import make_executor
     from tuner.study import run_study
+    from tuner.study.preflight import PreflightError, preflight
 
     # The executor starts before the checks below (about 2.5 s on the test machine): its warm
     # helpers (this process's, or one per Ray node) import torch meanwhile, so the first trial
@@ -156,7 +121,10 @@ def tune(
     total = trials if trials is not None else recipe.search.trials
     try:
         with runner:
-            _preflight(recipe, sampler or recipe.search.sampler)
+            try:
+                preflight(recipe, sampler or recipe.search.sampler, executor)
+            except PreflightError as err:
+                fail(str(err))
             url = storage_or_exit(storage)
             with _LiveProgress(total) as live:
                 summary = run_study(

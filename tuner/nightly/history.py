@@ -285,9 +285,12 @@ def run_recipe(
     try:
         tonight = tune(recipe, enqueue, run)
     except Exception as err:  # noqa: BLE001 - one recipe failing must not stop the others
-        tonight = Tonight(
-            None, None, {}, expected_fingerprint_hash or "", error=f"{type(err).__name__}: {err}"
-        )
+        from tuner.study.preflight import PreflightError
+
+        # A recipe this machine cannot tune says its field and fix itself; anything else is named
+        # by its kind.
+        said = str(err) if isinstance(err, PreflightError) else f"{type(err).__name__}: {err}"
+        tonight = Tonight(None, None, {}, expected_fingerprint_hash or "", error=said)
     previous = find_previous(recipe.name, night, tonight.fingerprint_hash, db_url)
     verdict, change = judge(
         tonight.best_tokens_per_s, previous.best_tokens_per_s if previous else None, threshold

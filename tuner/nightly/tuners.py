@@ -51,7 +51,11 @@ def local_tuner(
         from tuner.executors import make_executor
         from tuner.fingerprint import fingerprint, fingerprint_hash
         from tuner.study import run_study
+        from tuner.study.preflight import preflight
 
+        # What `tuner tune` checks first, so a recipe this machine cannot tune fails with the
+        # field and the fix, not after its trials were all pruned or refused.
+        preflight(recipe, recipe.search.sampler, executor)
         fp = fingerprint(resolve_family(recipe.hardware.device))
         name = nightly_study_name(recipe, fp, night, run)
         queued = _enqueue_first(recipe, name, enqueue, storage_url)

@@ -128,9 +128,14 @@ class JobRun:
         from tuner.fingerprint import fingerprint
         from tuner.recipe import recipe_from_dict
         from tuner.study import run_study, study_name
+        from tuner.study.preflight import PreflightError, preflight
 
         with session_scope(self.url) as s:
             recipe = recipe_from_dict(s.get(Job, self.job_id).recipe)
+        try:  # what the API's host could not check: this worker's devices (`tuner.study.preflight`)
+            preflight(recipe, recipe.search.sampler, self.worker.executor.name)
+        except PreflightError as err:
+            return Outcome("failed", error=f"this worker cannot run the recipe: {err}; fix it and resubmit")
         name = study_name(recipe, fingerprint(resolve_family(recipe.hardware.device)))
         if not recipe.search.reuse:
             # Fresh measurements: the job's own study (a re-queued job resumes it, same name).

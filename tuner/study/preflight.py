@@ -1,0 +1,48 @@
+"""`preflight`: what a recipe's study would otherwise find out mid-study, checked before any device
+time is spent. `tuner tune` and the nightly's local run call it (the REST service checks what it can
+on its own host, `api.routes.jobs._check_recipe`: its workers may be other machines)."""
+
+from __future__ import annotations
+
+from tuner.recipe import Recipe
+
+
+class PreflightError(ValueError):
+    """A recipe this machine cannot tune as asked; the message names the field and the fix."""
+
+
+def preflight(recipe: Recipe, sampler: str, executor: str = "local") -> None:
+    """Raise `PreflightError` (the first problem found) unless a study of `recipe` can start here
+    with `sampler` on `executor`: the executor can run its nodes, the device is here, the search
+    space and its overrides load, the sampler can be made, this machine (each node like it) holds
+    the devices, some dp*tp*pp split fills them and the model's shapes admit one."""
+    from tuner.config import device_count_reason
+    from tuner.devices import describe, resolve_family
+    from tuner.executors.local import multi_node_refusal
+    from tuner.space import SpaceError, load_space
+    from tuner.study.samplers import SamplerContext, make_sampler
+
+    if executor == "local" and (refusal := multi_node_refusal(recipe.hardware.nodes)) is not None:
+        raise PreflightError(refusal)
+    try:
+        family = resolve_family(recipe.hardware.device)
+        space = load_space(recipe.search.space or family).narrow(recipe.search.overrides)
+        device = describe(family)
+        context = SamplerContext(recipe, space, device)
+        make_sampler(sampler, 0, recipe.search.objective == "throughput_memory", context)
+    except (SpaceError, ValueError) as err:
+        raise PreflightError(str(err)) from None
+    too_many = device_count_reason(recipe, device)
+    if too_many is not None:
+        more = (
+            "" if recipe.hardware.nodes > 1 else " (or, with --executor ray, spread them with hardware.nodes)"
+        )
+        raise PreflightError(f"{too_many}; lower hardware.devices{more}")
+    if not space.splits(recipe.hardware.devices):
+        raise PreflightError(
+            "search.overrides: no dp*tp*pp split in the space multiplies to "
+            f"hardware.devices={recipe.hardware.devices}"
+        )
+    shape = space.shape_problem(recipe)
+    if shape:
+        raise PreflightError(f"{shape[0]}: {shape[1]}")
