@@ -1,6 +1,7 @@
 """`preflight`: what a recipe's study would otherwise find out mid-study, checked before any device
-time is spent. `tuner tune` and the nightly's local run call it (the REST service checks what it can
-on its own host, `api.routes.jobs._check_recipe`: its workers may be other machines)."""
+time is spent. `tuner tune`, the nightly's local run and the service's worker call it (the REST API
+checks what it can on its own host, `api.routes.jobs._check_recipe`: its workers may be other
+machines, so the devices are the worker's to check)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def preflight(recipe: Recipe, sampler: str, executor: str = "local") -> None:
     too_many = device_count_reason(recipe, device)
     if too_many is not None:
         more = (
-            "" if recipe.hardware.nodes > 1 else " (or, with --executor ray, spread them with hardware.nodes)"
+            ""
+            if recipe.hardware.nodes > 1
+            else " (or spread them over machines: hardware.nodes, with the Ray executor)"
         )
         raise PreflightError(f"{too_many}; lower hardware.devices{more}")
     if not space.splits(recipe.hardware.devices):
