@@ -183,9 +183,11 @@ def test_local_rerun_measures_again_in_a_fresh_study(db_url, monkeypatch):
     """The reported fault: run_study's budget counts the whole study (that is how a killed run
     resumes), so a re-run in the first run's study ran 0 trials and reported the first run's best."""
     import contextlib
+    import types
 
     import tuner.executors
     import tuner.study
+    from tuner.fingerprint import described_here
     from tuner.record.ranking import Ranked
     from tuner.summary import StudySummary
 
@@ -199,7 +201,9 @@ def test_local_rerun_measures_again_in_a_fresh_study(db_url, monkeypatch):
         return StudySummary(study_name, db_url, best=best, counts={"ok": len(done)})
 
     monkeypatch.setattr(tuner.study, "run_study", run_study)
-    monkeypatch.setattr(tuner.executors, "make_executor", lambda name: contextlib.nullcontext())
+    # This machine's executor as far as the nightly asks it (what and where its devices are).
+    here = types.SimpleNamespace(name="local", describe=described_here)
+    monkeypatch.setattr(tuner.executors, "make_executor", lambda name: contextlib.nullcontext(here))
     tune = nl.local_tuner(night=NIGHT2, trials=2, storage_url=db_url)
     run(db_url, NIGHT1, fixed(1000.0, FP_A))
     first = run(db_url, NIGHT2, tune)

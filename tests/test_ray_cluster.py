@@ -235,5 +235,52 @@ def test_tuner_tune_on_the_cluster_runs_every_trial_over_both_nodes(two_nodes, t
         assert t.user_attrs["nodes"] == 2 and len(set(t.user_attrs["rank_nodes"])) == 2
 
 
+def test_the_nodes_describe_their_own_devices_not_the_drivers_machine(two_nodes):
+    """A study on Ray takes its devices from the nodes that run its trials: each node counts what Ray
+    lets trials use there (`--num-cpus=1` here, on a host with more cores) and measures its own
+    priors, and a device no node has is refused naming the field. (The driver could be a head node
+    without GPUs: it never describes its own.)"""
+    from tuner.devices import describe
+
+    described = two_nodes.describe("auto")
+    assert described.family == "cpu" and described.device.where == "each Ray node"
+    assert described.device.count == 1 and described.fingerprint["device_count"] == 1
+    assert describe("cpu").count == len(os.sched_getaffinity(0)) >= 2  # the host: more than a node
+    priors = two_nodes.device_priors(described.device)
+    assert priors is not None and priors.cores == 1 and priors.peak("fp32", 1) > 0
+    with pytest.raises(
+        ValueError, match="hardware.device: cuda requested but not available on any node of the Ray"
+    ):
+        two_nodes.describe("cuda")
+
+
+def test_tuner_tune_refuses_a_recipe_the_nodes_cannot_hold_before_any_trial(two_nodes, tmp_path):
+    """Two devices per node on nodes of one core each: refused up front with the field, the share and
+    what each node has. Checked against the driver's machine, it passed (this host has two cores)
+    and every trial then came back unschedulable."""
+    recipe = tmp_path / "too-big.yaml"
+    recipe.write_text(
+        "name: too-big\n"
+        "model: {layers: 1, hidden: 32, heads: 2, seq_len: 32, vocab: 256}\n"
+        "train: {global_batch_size: 8}\n"
+        "hardware: {device: cpu, devices: 4, nodes: 2}\n"
+    )
+    db = tmp_path / "tune.db"
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": two_nodes_address(two_nodes),
+        "TUNER_RUNS_DIR": str(tmp_path / "runs"),
+    }
+    out = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "tuner"), "tune", str(recipe), "--executor", "ray",
+         "--storage", f"sqlite:///{db}"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    said = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 2, said[-3000:]
+    assert "hardware.devices is 4 over 2 nodes, 2 per node, but each Ray node has 1 cpu devices" in said
+    assert "Traceback" not in said and not (tmp_path / "runs").exists()
+
+
 def two_nodes_address(executor) -> str:
     return executor.address

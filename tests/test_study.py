@@ -139,19 +139,18 @@ def trials_of(summary, url):
 
 
 @pytest.mark.parametrize("fast_bf16", [True, False], ids=["cpu-with-fast-bf16", "cpu-without"])
-def test_baseline_then_reference_run_first_and_nothing_infeasible_reaches_the_executor(
-    tune, url, monkeypatch, fast_bf16
-):
+def test_baseline_then_reference_run_first_and_nothing_infeasible_reaches_the_executor(tune, url, fast_bf16):
     """The baseline is what a careful user picks on this device: bf16 autocast where bf16 is fast
     (then an fp32 copy of it is the loss reference), fp32 where it is not (its own reference)."""
     import dataclasses
 
-    import tuner.study.driver
+    from tuner.fingerprint import Described, fingerprint
 
     device = dataclasses.replace(CPU, fast_dtypes=("bf16",) if fast_bf16 else ())
-    monkeypatch.setattr(tuner.study.driver, "describe", lambda family: device)
     recipe = make_recipe(f"order-{fast_bf16}")
     ex = FakeExecutor()
+    # Its trials run on this CPU with or without fast bf16, as the executor describes it.
+    ex.describe = lambda requested: Described("cpu", device, fingerprint("cpu", device))
     summary = tune(recipe, ex, trials=16)  # enough that the sampler meets infeasible configs
     trials = trials_of(summary, url)
     assert trials[0].user_attrs["role"] == "baseline"

@@ -57,23 +57,37 @@ def test_a_recipe_over_several_nodes_is_checked_per_node_not_against_this_machin
     """`tuner tune --executor ray` with `hardware.nodes`: each node holds its share of the devices, so
     a recipe whose total is more than this machine has passes when each node's share fits (it used
     to be refused as if one machine had to hold them all), and one whose share does not is refused
-    naming the share per node."""
+    naming the share per node. (Nodes like this machine; a real cluster's own description:
+    `test_ray_cluster.py`.)"""
     from tuner.devices import describe
+    from tuner.executors.base import Executor
     from tuner.recipe import load_recipe
     from tuner.study.preflight import PreflightError, preflight
+
+    class Nodes(Executor):
+        """Describes this machine, as the Ray executor does a cluster of nodes like it; runs nothing."""
+
+        def __init__(self, name: str):
+            self.name = name
+
+        def free_slots(self, spec):
+            raise NotImplementedError
+
+        submit = wait = running = cancel = free_slots
 
     have = describe("cpu").count
     doc = {
         "hardware": {"device": "cpu", "devices": 2 * have, "nodes": 2},
         "train": {"global_batch_size": 16 * have},
     }
-    preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", "ray")  # each node: this machine's count
+    # Each node: this machine's count.
+    preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", Nodes("ray"))
     with pytest.raises(PreflightError, match="needs the Ray executor"):
-        preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", "local")
+        preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", Nodes("local"))
 
     doc["hardware"]["devices"] = 4 * have
     with pytest.raises(PreflightError) as err:
-        preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", "ray")
+        preflight(load_recipe(write_recipe(tmp_path, **doc)), "model", Nodes("ray"))
     assert f"over 2 nodes, {2 * have} per node, but this machine has {have} cpu devices" in str(err.value)
     result = runner.invoke(app, ["tune", write_recipe(tmp_path, **doc), "--executor", "local"])
     assert result.exit_code == 2 and "Ray" in result.output  # the local executor runs one node only

@@ -157,6 +157,11 @@ class _Executor:
     def close(self) -> None:
         pass
 
+    def describe(self, requested: str):
+        from tuner.fingerprint import described_here
+
+        return described_here(requested)  # this machine, as the local executor describes it
+
 
 def _summary(best_tps: float | None) -> StudySummary:
     """What run_study returns: a best at `best_tps` over a baseline at 100 tokens/s, or no best."""

@@ -292,15 +292,15 @@ def shape_reasons(config: Config, recipe: Recipe) -> list[tuple[str, str]]:
 
 
 def device_count_reason(recipe: Recipe, device: DeviceInfo) -> str | None:
-    """Why this machine cannot hold the recipe's devices (None when it can): all of them for a
-    one-node recipe, each node's share for one over `hardware.nodes` machines (every node is taken
-    to be like this one)."""
+    """Why the machine `device` describes cannot hold the recipe's devices (None when it can): all
+    of them for a one-node recipe, each node's share for one over `hardware.nodes` machines (every
+    node is taken to be like the one described: this machine, or a Ray cluster's largest node)."""
     want, per_node, nodes = recipe.hardware.devices, recipe.hardware.devices_per_node, recipe.hardware.nodes
     if nodes == 1 and want > device.count:
-        return f"hardware.devices is {want} but this machine has {device.count} {device.family} devices"
+        return f"hardware.devices is {want} but {device.where} has {device.count} {device.family} devices"
     if per_node > device.count:
         return (
-            f"hardware.devices is {want} over {nodes} nodes, {per_node} per node, but this machine has "
+            f"hardware.devices is {want} over {nodes} nodes, {per_node} per node, but {device.where} has "
             f"{device.count} {device.family} devices"
         )
     return None

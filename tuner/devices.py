@@ -28,7 +28,8 @@ FAMILIES = ("cpu", "cuda", "npu")
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """What one device family on this machine offers a trial."""
+    """What one device family offers a trial, on this machine or (described by a Ray node) on the
+    machines a study's trials run on: `where` says which, in the words an error message uses."""
 
     family: str  # cpu | cuda | npu
     name: str  # e.g. "NVIDIA H200", "Ascend910B2", or the CPU model
@@ -45,6 +46,7 @@ class DeviceInfo:
     supports_pin_memory: bool = False
     supports_offload: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    where: str = "this machine"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,9 +76,13 @@ def available_families() -> list[str]:
     return fams
 
 
-def resolve_family(requested: str = "auto") -> str:
-    """Map a recipe's `hardware.device` to a family present here; raise if it is absent."""
-    fams = available_families()
+def resolve_family(
+    requested: str = "auto", available: list[str] | None = None, where: str = "this machine"
+) -> str:
+    """Map a recipe's `hardware.device` to a family present `where` (`available`, by default this
+    machine's `available_families`); raise, naming the field and the fix, if it is absent. One
+    rule for this machine and for a Ray cluster's nodes (`RayExecutor.describe`)."""
+    fams = available_families() if available is None else available
     if requested == "auto":
         for fam in ("npu", "cuda", "cpu"):
             if fam in fams:
@@ -85,10 +91,10 @@ def resolve_family(requested: str = "auto") -> str:
         raise ValueError(f"hardware.device: unknown device {requested!r}; use one of auto, cpu, cuda, npu")
     if requested not in fams:
         raise ValueError(
-            f"hardware.device: {requested} requested but not available on this machine "
-            f"(available: {', '.join(fams)}); set hardware.device to auto or one of those, or run this "
-            f"on a machine that has {requested} (with a Ray cluster, on one of its {requested} nodes: a "
-            "study describes its devices from the machine it runs on)"
+            f"hardware.device: {requested} requested but not available on {where} "
+            f"(available: {', '.join(fams) or 'none'}); set hardware.device to auto or one of those, or "
+            f"tune where there is {requested}: on such a machine, or from any machine of a Ray cluster "
+            f"with {requested} nodes (--executor ray: the nodes describe their own devices)"
         )
     return requested
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import tuner
-from tuner.devices import _cpu_name, cpu_model_id, describe
+from tuner.devices import DeviceInfo, _cpu_name, cpu_model_id, describe, resolve_family
 
 
 def _nvidia_driver() -> str | None:
@@ -27,12 +28,14 @@ def _nvidia_driver() -> str | None:
     return None
 
 
-def fingerprint(family: str) -> dict[str, Any]:
-    """What a measurement depends on besides the recipe: device model and count, versions.
+def fingerprint(family: str, info: DeviceInfo | None = None) -> dict[str, Any]:
+    """What a measurement depends on besides the recipe: device model and count, versions. `info`
+    is the family's description when it is not this process's own (a Ray node's, whose device
+    count is what Ray lets its trials use).
 
     The host name is left out on purpose: identical nodes of a cluster share one study.
     """
-    info = describe(family)
+    info = info or describe(family)
     fp: dict[str, Any] = {
         "family": family,
         "device": info.name,
@@ -50,6 +53,24 @@ def fingerprint(family: str) -> dict[str, Any]:
     if family == "npu":
         fp["torch_npu"] = info.extra.get("torch_npu")
     return fp
+
+
+@dataclass(frozen=True)
+class Described:
+    """Where a study's trials run, as the study sees it: the family a recipe's `hardware.device`
+    means there, what its devices offer, and the fingerprint the study is keyed by. One executor's
+    answer (`Executor.describe`): this machine's for the local one, the nodes' own for Ray."""
+
+    family: str
+    device: DeviceInfo
+    fingerprint: dict[str, Any]
+
+
+def described_here(requested: str) -> Described:
+    """`Described` for this machine: `hardware.device` resolved and described here."""
+    family = resolve_family(requested)
+    info = describe(family)
+    return Described(family, info, fingerprint(family, info))
 
 
 def fingerprint_hash(fp: dict[str, Any]) -> str:

@@ -204,7 +204,9 @@ def _run_pass(
                     progress=on_trial,
                     remeasure_top=remeasure,
                 )
-                expected = _local_fingerprint_hash(recipe)
+                # On Ray the nodes describe the devices as the study opens; the warm start then
+                # takes the latest night whatever its fingerprint.
+                expected = _local_fingerprint_hash(recipe) if executor == "local" else None
             outcome = nl.run_recipe(
                 recipe, str(path), night=night, threshold=threshold, tune=tune,
                 expected_fingerprint_hash=expected, db_url=storage, top_k=top_k,

@@ -122,7 +122,7 @@ def tune(
     try:
         with runner:
             try:
-                preflight(recipe, sampler or recipe.search.sampler, executor)
+                preflight(recipe, sampler or recipe.search.sampler, runner)
             except PreflightError as err:
                 fail(str(err))
             url = storage_or_exit(storage)

@@ -13,6 +13,7 @@ from tuner.result import TrialResult, TrialSpec
 
 if TYPE_CHECKING:
     from tuner.devices import DeviceInfo
+    from tuner.fingerprint import Described
     from tuner.perf.priors import DevicePriors
 
 
@@ -52,6 +53,15 @@ class Executor(ABC):
 
     def close(self) -> None:
         self.cancel()
+
+    def describe(self, requested: str) -> Described:
+        """What a recipe's `hardware.device` (auto, cpu, cuda or npu) means where these trials run:
+        the family, what its devices offer and the fingerprint a study of them is keyed by; a
+        ValueError naming the field and the fix where there is no such device. The default: this
+        machine's (`tuner.fingerprint.described_here`)."""
+        from tuner.fingerprint import described_here
+
+        return described_here(requested)
 
     def device_priors(self, device: DeviceInfo) -> DevicePriors | None:
         """The performance model's priors for the machine these trials run on, where this host's

@@ -47,19 +47,18 @@ def local_tuner(
     """Tune on this machine (or its Ray cluster) with `tuner.study.run_study`."""
 
     def tune(recipe: Recipe, enqueue: list[dict[str, Any]], run: int) -> Tonight:
-        from tuner.devices import resolve_family
         from tuner.executors import make_executor
-        from tuner.fingerprint import fingerprint, fingerprint_hash
+        from tuner.fingerprint import fingerprint_hash
         from tuner.study import run_study
         from tuner.study.preflight import preflight
 
-        # What `tuner tune` checks first, so a recipe this machine cannot tune fails with the
-        # field and the fix, not after its trials were all pruned or refused.
-        preflight(recipe, recipe.search.sampler, executor)
-        fp = fingerprint(resolve_family(recipe.hardware.device))
-        name = nightly_study_name(recipe, fp, night, run)
-        queued = _enqueue_first(recipe, name, enqueue, storage_url)
         with make_executor(executor) as ex:
+            # What `tuner tune` checks first, so a recipe this machine (or cluster) cannot tune
+            # fails with the field and the fix, not after its trials were all pruned or refused.
+            preflight(recipe, recipe.search.sampler, ex)
+            fp = ex.describe(recipe.hardware.device).fingerprint
+            name = nightly_study_name(recipe, fp, night, run)
+            queued = _enqueue_first(recipe, name, enqueue, storage_url)
             summary = run_study(
                 recipe,
                 storage_url=storage_url,

@@ -17,10 +17,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tuner.baseline import baseline_config, fp32_reference
 from tuner.config import Config
-from tuner.devices import describe, resolve_family
 from tuner.estimate import reserved_ratio_prior
 from tuner.executors.base import Executor
-from tuner.fingerprint import fingerprint, fingerprint_hash
+from tuner.fingerprint import fingerprint_hash
 from tuner.perf.observations import fingerprint_observations
 from tuner.prune import OomFloor, oom_floor, study_calibration, verdict
 from tuner.recipe import Recipe
@@ -77,9 +76,9 @@ class Driver:
         self.executor = executor
         self.budget = budget
         self.hooks = hooks
-        self.family = resolve_family(recipe.hardware.device)
-        self.device = describe(self.family)
-        self.fp = fingerprint(self.family)
+        # Where the trials run, as the executor sees it (a Ray cluster's nodes describe themselves).
+        described = executor.describe(recipe.hardware.device)
+        self.family, self.device, self.fp = described.family, described.device, described.fingerprint
         self.name = name or study_name(recipe, self.fp)
         self.space: SearchSpace = load_space(recipe.search.space or self.family).narrow(
             recipe.search.overrides

@@ -5,30 +5,35 @@ machines, so the devices are the worker's to check)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tuner.recipe import Recipe
+
+if TYPE_CHECKING:
+    from tuner.executors.base import Executor
 
 
 class PreflightError(ValueError):
     """A recipe this machine cannot tune as asked; the message names the field and the fix."""
 
 
-def preflight(recipe: Recipe, sampler: str, executor: str = "local") -> None:
-    """Raise `PreflightError` (the first problem found) unless a study of `recipe` can start here
-    with `sampler` on `executor`: the executor can run its nodes, the device is here, the search
-    space and its overrides load, the sampler can be made, this machine (each node like it) holds
-    the devices, some dp*tp*pp split fills them and the model's shapes admit one."""
+def preflight(recipe: Recipe, sampler: str, executor: Executor) -> None:
+    """Raise `PreflightError` (the first problem found) unless a study of `recipe` can start with
+    `sampler` on `executor`: the executor can run its nodes, the device is where the trials run (as
+    `executor.describe` sees it: this machine, or a Ray cluster's nodes), the search space and its
+    overrides load, the sampler can be made, that machine (each node like it) holds the devices,
+    some dp*tp*pp split fills them and the model's shapes admit one."""
     from tuner.config import device_count_reason
-    from tuner.devices import describe, resolve_family
     from tuner.executors.local import multi_node_refusal
     from tuner.space import SpaceError, load_space
     from tuner.study.samplers import SamplerContext, make_sampler
 
-    if executor == "local" and (refusal := multi_node_refusal(recipe.hardware.nodes)) is not None:
+    if executor.name == "local" and (refusal := multi_node_refusal(recipe.hardware.nodes)) is not None:
         raise PreflightError(refusal)
     try:
-        family = resolve_family(recipe.hardware.device)
-        space = load_space(recipe.search.space or family).narrow(recipe.search.overrides)
-        device = describe(family)
+        described = executor.describe(recipe.hardware.device)
+        device = described.device
+        space = load_space(recipe.search.space or described.family).narrow(recipe.search.overrides)
         context = SamplerContext(recipe, space, device)
         make_sampler(sampler, 0, recipe.search.objective == "throughput_memory", context)
     except (SpaceError, ValueError) as err:

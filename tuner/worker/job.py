@@ -124,19 +124,18 @@ class JobRun:
         return self._finish(outcome)
 
     def _run_study(self) -> Outcome:
-        from tuner.devices import resolve_family
-        from tuner.fingerprint import fingerprint
         from tuner.recipe import recipe_from_dict
         from tuner.study import run_study, study_name
         from tuner.study.preflight import PreflightError, preflight
 
         with session_scope(self.url) as s:
             recipe = recipe_from_dict(s.get(Job, self.job_id).recipe)
+        executor = self.worker.executor
         try:  # what the API's host could not check: this worker's devices (`tuner.study.preflight`)
-            preflight(recipe, recipe.search.sampler, self.worker.executor.name)
+            preflight(recipe, recipe.search.sampler, executor)
         except PreflightError as err:
             return Outcome("failed", error=f"this worker cannot run the recipe: {err}; fix it and resubmit")
-        name = study_name(recipe, fingerprint(resolve_family(recipe.hardware.device)))
+        name = study_name(recipe, executor.describe(recipe.hardware.device).fingerprint)
         if not recipe.search.reuse:
             # Fresh measurements: the job's own study (a re-queued job resumes it, same name).
             name = f"{name}-job{self.job_id}"
