@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -32,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tuner.executors.base import Executor
+from tuner.executors.ray_devices import describe_nodes
 from tuner.executors.ray_gang import (
     Part,
     Trial,
@@ -43,10 +43,8 @@ from tuner.executors.ray_gang import (
     unschedulable,
 )
 from tuner.executors.ray_node import (  # noqa: F401 - CoreLease is part of this module's surface
-    DEVICE_RESOURCE,
     CoreLease,
     default_lease_dir,
-    describe_node,
     error_result,
     run_on_node,
     trial_demand,
@@ -79,8 +77,6 @@ RESOURCE_LAG_S = 2.0
 # How long one description of the nodes' devices (`describe`) stands: a study asks twice as it
 # starts (the preflight, then the driver), a service's worker once per job, and nodes may join.
 DESCRIBE_TTL_S = 60.0
-# A node describes its devices in a fresh Ray worker that imports torch: seconds, not minutes.
-DESCRIBE_TIMEOUT_S = 180.0
 
 
 # ---- the driver side ------------------------------------------------------------------------------
@@ -135,65 +131,12 @@ class RayExecutor(Executor):
 
     def describe(self, requested: str) -> Described:
         """The cluster's devices of the recipe's `hardware.device`, as the nodes that have them
-        describe them, not as the driver's machine would: a study can run from a head node
-        without GPUs, and each node counts what Ray lets trials use there. Every node with the
-        device describes itself; nodes that differ in model or software (their fingerprints apart
-        from the count) are refused, since a study is keyed by one kind of machine. The device
-        count is the largest node's."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from tuner.devices import FAMILIES, resolve_family
-        from tuner.fingerprint import Described
-
+        describe themselves (`tuner.executors.ray_devices`), not as the driver's machine would."""
         hit = self._described.get(requested)
         if hit is not None and time.monotonic() - hit[0] < DESCRIBE_TTL_S:
             return hit[1]
-        totals, _ = self._node_resources()
-        having = {
-            family: {node: int(r[res]) for node, r in totals.items() if r.get(res, 0) >= 1}
-            for family, res in DEVICE_RESOURCE.items()
-        }
-        family = resolve_family(requested, [f for f in FAMILIES if having[f]], "any node of the Ray cluster")
-        task = ray.remote(num_cpus=0, max_calls=1, max_retries=0)(describe_node)
-        refs = [
-            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-                family, count
-            )
-            for node, count in having[family].items()
-        ]
-        try:
-            answers = ray.get(refs, timeout=DESCRIBE_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise ValueError(
-                f"hardware.device: the Ray cluster's {family} nodes did not describe their devices within "
-                f"{DESCRIBE_TIMEOUT_S:g} s; check that every node runs and has this package installed"
-            ) from None
-        except ray.exceptions.RayError as err:
-            cause = getattr(err, "cause", None) or err
-            raise ValueError(
-                f"hardware.device: a Ray node could not describe its {family} devices: {cause}"
-            ) from None
-        kinds: dict[str, list[Any]] = {}
-        for info, fp, priors in answers:
-            kind = json.dumps({k: v for k, v in fp.items() if k != "device_count"}, sort_keys=True)
-            kinds.setdefault(kind, []).append((info, fp, priors))
-        if len(kinds) > 1:
-            seen = "; ".join(
-                f"{len(group)} x {group[0][0].name} (torch {group[0][1].get('torch')}, host CPU "
-                f"{group[0][1].get('cpu')})"
-                for group in kinds.values()
-            )
-            raise ValueError(
-                f"hardware.device: the Ray cluster's {family} nodes are not alike ({seen}); a study is "
-                "keyed by one kind of machine: tune from a cluster of like nodes"
-            )
-        [group] = kinds.values()
-        info, fp, priors = max(group, key=lambda answer: answer[0].count)
-        alike = len({answer[0].count for answer in group}) == 1
-        where = "each Ray node" if alike else f"the Ray cluster's largest {family} node"
-        described = Described(family, dataclasses.replace(info, where=where), fp)
-        self._priors[(family, info.name)] = priors
+        described, priors = describe_nodes(requested, self._node_resources()[0])
+        self._priors[(described.family, described.device.name)] = priors
         self._described[requested] = (time.monotonic(), described)
         return described
 

@@ -1,7 +1,6 @@
 """What runs on a Ray node for a trial: the task (`run_on_node`) that leases the trial's cores on
 this host (`CoreLease`), runs this node's ranks through the local runner and streams where it runs,
-then the result; and the task that describes the node's devices for a study (`describe_node`). The
-driver side is `tuner.executors.ray_executor`."""
+then the result. The driver side is `tuner.executors.ray_executor`."""
 
 from __future__ import annotations
 
@@ -161,23 +160,6 @@ def run_on_node(
             lease.release()
     result.extra.update(where, cores=lease.cores if lease else None, node_wall_s=result.wall_s)
     yield result.to_dict()
-
-
-def describe_node(family: str, ray_count: int):
-    """This node's devices of `family` as a study sees them: (DeviceInfo, fingerprint, performance
-    priors), with the device count capped at what Ray lets trials use here (`ray_count`: its
-    `--num-cpus`/`--num-gpus`). Run as a task of no resources in a worker that exits after it
-    (`max_calls=1`), so the CUDA or NPU context this opens is gone with it. Ray leaves a task that
-    asks for no GPU the worker's own device visibility, so the count is the node's."""
-    import dataclasses
-
-    from tuner.devices import describe
-    from tuner.fingerprint import fingerprint
-    from tuner.perf.priors import device_priors
-
-    info = describe(family)
-    info = dataclasses.replace(info, count=min(info.count, ray_count))
-    return info, fingerprint(family, info), device_priors(info)
 
 
 def _where(ray) -> dict[str, Any]:

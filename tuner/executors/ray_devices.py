@@ -1,0 +1,96 @@
+"""A Ray cluster's devices as its nodes describe them, for a study that runs its trials there
+(`RayExecutor.describe`): the driver may be a head node without the device, and each node counts
+what Ray lets trials use on it. The node side (`describe_node`) runs as a task on every node that
+has the device's Ray resource; the driver side (`describe_nodes`) asks them and checks they agree."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING, Any
+
+from tuner.executors.ray_node import DEVICE_RESOURCE
+
+if TYPE_CHECKING:
+    from tuner.fingerprint import Described
+    from tuner.perf.priors import DevicePriors
+
+# A node describes its devices in a fresh Ray worker that imports torch: seconds, not minutes.
+DESCRIBE_TIMEOUT_S = 180.0
+
+
+def describe_node(family: str, ray_count: int):
+    """This node's devices of `family` as a study sees them: (DeviceInfo, fingerprint, performance
+    priors), with the device count capped at what Ray lets trials use here (`ray_count`: its
+    `--num-cpus`/`--num-gpus`). Run as a task of no resources in a worker that exits after it
+    (`max_calls=1`), so the CUDA or NPU context this opens is gone with it. Ray leaves a task that
+    asks for no GPU the worker's own device visibility, so the count is the node's."""
+    from tuner.devices import describe
+    from tuner.fingerprint import fingerprint
+    from tuner.perf.priors import device_priors
+
+    info = describe(family)
+    info = dataclasses.replace(info, count=min(info.count, ray_count))
+    return info, fingerprint(family, info), device_priors(info)
+
+
+def describe_nodes(requested: str, totals: dict[str, dict[str, float]]) -> tuple[Described, DevicePriors]:
+    """(What the recipe's `hardware.device` means on the cluster whose nodes have `totals`, the
+    priors the nodes measured). Every node with the device describes itself; nodes that differ in
+    model or software (their fingerprints apart from the count) are refused, since a study is keyed
+    by one kind of machine. The device count is the largest node's. A ValueError names the field."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from tuner.devices import FAMILIES, resolve_family
+
+    having = {
+        family: {node: int(r[res]) for node, r in totals.items() if r.get(res, 0) >= 1}
+        for family, res in DEVICE_RESOURCE.items()
+    }
+    family = resolve_family(requested, [f for f in FAMILIES if having[f]], "any node of the Ray cluster")
+    task = ray.remote(num_cpus=0, max_calls=1, max_retries=0)(describe_node)
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            family, count
+        )
+        for node, count in having[family].items()
+    ]
+    try:
+        answers = ray.get(refs, timeout=DESCRIBE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise ValueError(
+            f"hardware.device: the Ray cluster's {family} nodes did not describe their devices within "
+            f"{DESCRIBE_TIMEOUT_S:g} s; check that every node runs and has this package installed"
+        ) from None
+    except ray.exceptions.RayError as err:
+        cause = getattr(err, "cause", None) or err
+        raise ValueError(
+            f"hardware.device: a Ray node could not describe its {family} devices: {cause}"
+        ) from None
+    return _one_kind(family, answers)
+
+
+def _one_kind(family: str, answers: list[tuple[Any, dict[str, Any], Any]]) -> tuple[Described, DevicePriors]:
+    """The nodes' answers as one description, if they describe one kind of machine."""
+    from tuner.fingerprint import Described
+
+    kinds: dict[str, list[Any]] = {}
+    for info, fp, priors in answers:
+        kind = json.dumps({k: v for k, v in fp.items() if k != "device_count"}, sort_keys=True)
+        kinds.setdefault(kind, []).append((info, fp, priors))
+    if len(kinds) > 1:
+        seen = "; ".join(
+            f"{len(group)} x {group[0][0].name} (torch {group[0][1].get('torch')}, host CPU "
+            f"{group[0][1].get('cpu')})"
+            for group in kinds.values()
+        )
+        raise ValueError(
+            f"hardware.device: the Ray cluster's {family} nodes are not alike ({seen}); a study is "
+            "keyed by one kind of machine: tune from a cluster of like nodes"
+        )
+    [group] = kinds.values()
+    info, fp, priors = max(group, key=lambda answer: answer[0].count)
+    alike = len({answer[0].count for answer in group}) == 1
+    where = "each Ray node" if alike else f"the Ray cluster's largest {family} node"
+    return Described(family, dataclasses.replace(info, where=where), fp), priors
