@@ -154,3 +154,18 @@ def test_recipe_with_a_byte_order_mark_is_read(tmp_path):
     path = Path(tmp_path / "bom.yaml")
     path.write_bytes(b"\xef\xbb\xbf" + yaml.safe_dump(GOOD).encode())
     assert load_recipe(path).name == "inputs"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--executor", "slurm"], "--executor: unknown executor 'slurm'; use local or ray"),
+        (["--executor", "ray", "--device", "H100"], "--device: a catalogued device or (--executor ray)"),
+    ],
+)
+def test_plan_refuses_an_executor_it_cannot_plan_for_before_reaching_any_cluster(tmp_path, args, expected):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    result = runner.invoke(app, ["plan", str(path), "--storage", f"sqlite:///{tmp_path}/t.db", *args])
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split()) and "Traceback" not in result.output

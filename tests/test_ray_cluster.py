@@ -5,6 +5,7 @@ trial and leaves no process; a single-node trial bigger than every node is turne
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -280,6 +281,35 @@ def test_tuner_tune_refuses_a_recipe_the_nodes_cannot_hold_before_any_trial(two_
     assert out.returncode == 2, said[-3000:]
     assert "hardware.devices is 4 over 2 nodes, 2 per node, but each Ray node has 1 cpu devices" in said
     assert "Traceback" not in said and not (tmp_path / "runs").exists()
+
+
+def test_tuner_plan_plans_for_the_nodes_devices(two_nodes, tmp_path):
+    """`tuner plan --executor ray` from a machine that is not a node: the plan counts what a node
+    holds (one core here, two on this host), so two devices on one node is beyond it and the plan
+    says it extrapolates; planned for this machine, it is not."""
+    recipe = tmp_path / "plan.yaml"
+    recipe.write_text(
+        "name: plan\n"
+        "model: {layers: 1, hidden: 32, heads: 2, seq_len: 32, vocab: 256}\n"
+        "train: {global_batch_size: 4}\n"
+        "hardware: {device: cpu, devices: 2}\n"
+    )
+    env = {**os.environ, "RAY_ADDRESS": two_nodes_address(two_nodes)}
+    tuner = os.path.join(os.path.dirname(sys.executable), "tuner")
+    plans = {}
+    for executor in ("ray", "local"):
+        out = subprocess.run(
+            [tuner, "plan", str(recipe), "--executor", executor, "--json", "--storage", f"sqlite:///{tmp_path}/p.db"],
+            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        plans[executor] = json.loads(out.stdout)
+    assert (plans["ray"]["machine_devices"], plans["ray"]["extrapolated"]) == (1, True)
+    assert (plans["local"]["machine_devices"], plans["local"]["extrapolated"]) == (
+        len(os.sched_getaffinity(0)),
+        False,
+    )
+    assert plans["ray"]["rows"] and plans["ray"]["rows"][0]["tokens_per_s"] > 0
 
 
 def two_nodes_address(executor) -> str:

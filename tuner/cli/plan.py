@@ -11,7 +11,7 @@ from tuner.cli.common import fail, load_recipe_or_exit, storage_or_exit
 
 PLAN_HELP = """Rank every feasible config of RECIPE by predicted tokens/s, without running any.
 
-The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to the trials of this model measured on this machine's fingerprint in the database, starting from the device table's priors (the priors alone when there are none). Each row has a 90% interval and the chance it fits the memory budget (P(fit)). Rows are in the order of what a run is expected to deliver: predicted tokens/s, scaled down where P(fit) is under 0.5; within 1% of each other, the config that changes fewer knobs comes first. With --devices beyond this machine, the plan extrapolates and says so. With --device NAME it plans for a catalogued device this machine is not (H100 on a laptop, before any GPU is booked), from that device's datasheet priors alone.
+The prediction is the performance model (compute, communication, pipeline bubble, recompute, host overhead; memory from the estimator) fitted to the trials of this model measured on this machine's fingerprint in the database, starting from the device table's priors (the priors alone when there are none). Each row has a 90% interval and the chance it fits the memory budget (P(fit)). Rows are in the order of what a run is expected to deliver: predicted tokens/s, scaled down where P(fit) is under 0.5; within 1% of each other, the config that changes fewer knobs comes first. With --devices beyond this machine, the plan extrapolates and says so. With --device NAME it plans for a catalogued device this machine is not (H100 on a laptop, before any GPU is booked), from that device's datasheet priors alone. With --executor ray the nodes of the Ray cluster ($RAY_ADDRESS) describe their own devices and priors, and the plan fits what studies measured on them: plan from a head node without GPUs.
 
 \b
 Examples:
@@ -19,6 +19,7 @@ Examples:
   tuner plan recipes/gpt-tiny.yaml --top 5 --json
   tuner plan recipes/gpt-tiny.yaml --devices 4 --storage sqlite:///tuner.db
   tuner plan recipes/llama3-8b.yaml --device H100 --devices 8
+  RAY_ADDRESS=head:6379 tuner plan recipes/llama3-8b.yaml --executor ray
 
 Exit status: 0 with a plan, 2 on bad input.
 """
@@ -64,14 +65,25 @@ def plan(
         metavar="NAME",
         help="Plan for a catalogued device instead of this machine's: V100, A100, H100, H200, 910B.",
     ),
+    executor: str = typer.Option(
+        "local",
+        "--executor",
+        metavar="local|ray",
+        help="Whose devices: this machine's, or those of the Ray cluster's nodes (as `tuner tune --executor`).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     recipe = load_recipe_or_exit(recipe_path)
     url = storage_or_exit(storage)
     from tuner.perf.plan import PlanError, make_plan
 
+    if executor not in ("local", "ray"):
+        fail(f"--executor: unknown executor {executor!r}; use local or ray")
+    if executor == "ray" and device is not None:
+        fail("--device: a catalogued device or (--executor ray) the cluster's own, not both; drop one")
+    where = _cluster(recipe) if executor == "ray" else {}
     try:
-        result = make_plan(recipe, devices=devices, top=top, storage_url=url, catalogued=device)
+        result = make_plan(recipe, devices=devices, top=top, storage_url=url, catalogued=device, **where)
     except PlanError as err:
         fail(str(err))
     except ValueError as err:  # a device family this machine lacks
@@ -80,3 +92,21 @@ def plan(
         typer.echo(json.dumps(result.to_dict()))
     else:
         _print(result)
+
+
+def _cluster(recipe) -> dict:
+    """The Ray cluster's nodes' own description of the recipe's device (`Executor.describe`): the
+    device, their priors and the fingerprint their studies are keyed by. No trial runs, so no warm
+    helpers start on the nodes."""
+    from tuner.executors import make_executor
+    from tuner.executors.warm import WARM_ENV
+
+    try:
+        with make_executor("ray", env={WARM_ENV: "0"}) as ex:
+            described = ex.describe(recipe.hardware.device)
+            priors = ex.device_priors(described.device)
+    except ValueError as err:
+        fail(str(err))
+    except (ImportError, RuntimeError, ConnectionError) as err:
+        fail(f"--executor ray: cannot reach the Ray cluster: {err}")
+    return {"device": described.device, "priors": priors, "fingerprint": described.fingerprint}

@@ -99,14 +99,17 @@ def make_plan(
     priors: DevicePriors | None = None,
     observations: list[Observation] | None = None,
     catalogued: str | None = None,
+    fingerprint: dict | None = None,
 ) -> Plan:
     """The plan for `recipe` on `devices` (default: the recipe's). Observations default to every
     measured trial on this machine's fingerprint in `storage_url` (none without one).
     `catalogued`: plan for a device of the catalogue (`tuner.device_table.CATALOG`, e.g. "H100")
-    instead of this machine's, from its datasheet priors alone: before any GPU is booked."""
+    instead of this machine's, from its datasheet priors alone: before any GPU is booked.
+    `fingerprint`: whose measured trials count, when `device` is not this machine's (a Ray
+    cluster's nodes, `Executor.describe`)."""
     return ranked_plan(
         recipe, devices=devices, top=top, storage_url=storage_url, device=device, priors=priors,
-        observations=observations, catalogued=catalogued,
+        observations=observations, catalogued=catalogued, fingerprint=fingerprint,
     )[0]  # fmt: skip
 
 
@@ -120,6 +123,7 @@ def ranked_plan(
     priors: DevicePriors | None = None,
     observations: list[Observation] | None = None,
     catalogued: str | None = None,
+    fingerprint: dict | None = None,
 ) -> tuple[Plan, PlanOrder]:
     """`make_plan`, and where every ranked config landed."""
     check_plan_input(recipe, devices, top)
@@ -141,7 +145,7 @@ def ranked_plan(
         raise PlanError("devices", f"no dp*tp*pp split of the search space multiplies to {n}")
     target = _for_devices(recipe, n)
     if observations is None:
-        observations = _stored(storage_url, family, target) if storage_url else []
+        observations = _stored(storage_url, fingerprint or _here(family), target) if storage_url else []
     observations = same_model(observations, target)
     # Feasibility counts the devices asked for, not this machine's: a plan may go beyond it.
     wide = dataclasses.replace(device, count=max(device.count, n))
@@ -186,10 +190,16 @@ def _space_name(recipe: Recipe, family: str, catalogued: str | None) -> str:
     return name
 
 
-def _stored(url: str, family: str, recipe: Recipe) -> list[Observation]:
-    from tuner.fingerprint import fingerprint, fingerprint_hash
+def _here(family: str) -> dict:
+    from tuner.fingerprint import fingerprint
 
-    return fingerprint_observations(url, fingerprint_hash(fingerprint(family)), recipe)
+    return fingerprint(family)
+
+
+def _stored(url: str, fp: dict, recipe: Recipe) -> list[Observation]:
+    from tuner.fingerprint import fingerprint_hash
+
+    return fingerprint_observations(url, fingerprint_hash(fp), recipe)
 
 
 def _order(predictor: Predictor, recipe: Recipe, pool: list[Config], cached) -> PlanOrder:
