@@ -234,6 +234,23 @@ def test_tuner_tune_on_the_cluster_runs_every_trial_over_both_nodes(two_nodes, t
     assert done, out.stdout[-2000:]
     for t in done:
         assert t.user_attrs["nodes"] == 2 and len(set(t.user_attrs["rank_nodes"])) == 2
+    # The study is keyed by the nodes' devices (one core each), not this machine's: `tuner show`
+    # finds it where it asks the nodes, and this machine's own study of the recipe does not exist.
+    show = [
+        os.path.join(os.path.dirname(sys.executable), "tuner"),
+        "show",
+        str(recipe),
+        "--storage",
+        db,
+        "--json",
+    ]
+    ray_show = subprocess.run(
+        [*show, "--executor", "ray"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert ray_show.returncode == 0, ray_show.stderr[-2000:]
+    assert json.loads(ray_show.stdout)["study_name"] == name
+    here = subprocess.run(show, env=env, capture_output=True, text=True, timeout=300)
+    assert here.returncode == 2 and "no study" in here.stderr
 
 
 def test_the_nodes_describe_their_own_devices_not_the_drivers_machine(two_nodes):

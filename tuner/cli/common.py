@@ -73,3 +73,30 @@ def parse_sets(sets: list[str]) -> dict[str, Any]:
         name, value = item.split("=", 1)
         out[name.strip()] = value.strip()
     return out
+
+
+def described_or_exit(recipe, executor: str):
+    """(Where `executor`'s trials run as it describes them, `tuner.fingerprint.Described`; the
+    performance-model priors it has for them, or None for this machine's own): the local executor
+    answers for this machine, Ray's nodes for themselves (`Executor.describe`). No trial runs, so no
+    warm helper starts. Exits 2 naming the field or the executor when there is no answer."""
+    if executor not in ("local", "ray"):
+        fail(f"--executor: unknown executor {executor!r}; use local or ray")
+    if executor == "local":
+        from tuner.fingerprint import described_here
+
+        try:
+            return described_here(recipe.hardware.device), None
+        except ValueError as err:
+            fail(str(err))
+    from tuner.executors import make_executor
+    from tuner.executors.warm import WARM_ENV
+
+    try:
+        with make_executor(executor, env={WARM_ENV: "0"}) as ex:
+            described = ex.describe(recipe.hardware.device)
+            return described, ex.device_priors(described.device)
+    except ValueError as err:
+        fail(str(err))
+    except (ImportError, RuntimeError, ConnectionError) as err:
+        fail(f"--executor {executor}: cannot reach it: {err}")

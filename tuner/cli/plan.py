@@ -7,7 +7,7 @@ import json
 
 import typer
 
-from tuner.cli.common import fail, load_recipe_or_exit, storage_or_exit
+from tuner.cli.common import described_or_exit, fail, load_recipe_or_exit, storage_or_exit
 
 PLAN_HELP = """Rank every feasible config of RECIPE by predicted tokens/s, without running any.
 
@@ -81,7 +81,10 @@ def plan(
         fail(f"--executor: unknown executor {executor!r}; use local or ray")
     if executor == "ray" and device is not None:
         fail("--device: a catalogued device or (--executor ray) the cluster's own, not both; drop one")
-    where = _cluster(recipe) if executor == "ray" else {}
+    where = {}
+    if executor == "ray":
+        described, priors = described_or_exit(recipe, executor)
+        where = {"device": described.device, "priors": priors, "fingerprint": described.fingerprint}
     try:
         result = make_plan(recipe, devices=devices, top=top, storage_url=url, catalogued=device, **where)
     except PlanError as err:
@@ -92,21 +95,3 @@ def plan(
         typer.echo(json.dumps(result.to_dict()))
     else:
         _print(result)
-
-
-def _cluster(recipe) -> dict:
-    """The Ray cluster's nodes' own description of the recipe's device (`Executor.describe`): the
-    device, their priors and the fingerprint their studies are keyed by. No trial runs, so no warm
-    helpers start on the nodes."""
-    from tuner.executors import make_executor
-    from tuner.executors.warm import WARM_ENV
-
-    try:
-        with make_executor("ray", env={WARM_ENV: "0"}) as ex:
-            described = ex.describe(recipe.hardware.device)
-            priors = ex.device_priors(described.device)
-    except ValueError as err:
-        fail(str(err))
-    except (ImportError, RuntimeError, ConnectionError) as err:
-        fail(f"--executor ray: cannot reach the Ray cluster: {err}")
-    return {"device": described.device, "priors": priors, "fingerprint": described.fingerprint}

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 from tuner.cli.common import (
     LEGACY_TIMEOUT,
+    described_or_exit,
     err_console,
     fail,
     load_recipe_or_exit,
@@ -37,13 +38,14 @@ Examples:
 Exit status: 0 when the study ran (even if no config succeeded; see the counts), 2 on bad input, 130 when interrupted.
 """
 
-SHOW_HELP = """Show what the study of RECIPE on this machine found: the best config, the speedup over the baseline, the top configs and what the search cost. Reads the database only.
+SHOW_HELP = """Show what the study of RECIPE on this machine found: the best config, the speedup over the baseline, the top configs and what the search cost. Reads the database only (with --executor ray, the study the Ray cluster's nodes ran, whose devices they describe).
 
 \b
 Examples:
   tuner show recipes/gpt-tiny.yaml
   tuner show recipes/gpt-tiny.yaml --top 10 --json
   tuner show recipes/gpt-tiny.yaml --study gpt-tiny-54e6a326cb78ac5c-3dca968c-nightly-2026-01-31
+  RAY_ADDRESS=head:6379 tuner show recipes/llama3-8b.yaml --executor ray
 """
 
 
@@ -159,22 +161,23 @@ def show(
     study: str | None = typer.Option(
         None, "--study", metavar="NAME", help="Show this study instead of the recipe's study on this machine."
     ),
+    executor: str = typer.Option(
+        "local",
+        "--executor",
+        metavar="local|ray",
+        help="Whose study: this machine's, or the one `tuner tune --executor ray` ran on the Ray cluster's nodes.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the study summary as JSON on stdout."),
 ) -> None:
     recipe = load_recipe_or_exit(recipe_path)
     if top < 1:
         fail(f"--top: must be at least 1, got {top}")
     url = storage_or_exit(storage)
-    from tuner.devices import resolve_family
-    from tuner.fingerprint import fingerprint
     from tuner.study import study_name
     from tuner.summary import summarize
 
     if study is None:
-        try:
-            study = study_name(recipe, fingerprint(resolve_family(recipe.hardware.device)))
-        except ValueError as err:
-            fail(str(err))
+        study = study_name(recipe, described_or_exit(recipe, executor)[0].fingerprint)
     try:
         summary = summarize(study, url, top_k=top)
     except KeyError:
