@@ -93,8 +93,8 @@ def resolve_family(
         raise ValueError(
             f"hardware.device: {requested} requested but not available on {where} "
             f"(available: {', '.join(fams) or 'none'}); set hardware.device to auto or one of those, or "
-            f"tune where there is {requested}: on such a machine, or from any machine of a Ray cluster "
-            f"with {requested} nodes (--executor ray: the nodes describe their own devices)"
+            f"run this on a machine that has {requested} (tuner tune, plan and show reach a Ray "
+            f"cluster's {requested} nodes from any of its machines with --executor ray)"
         )
     return requested
 
