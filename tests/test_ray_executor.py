@@ -211,3 +211,27 @@ def test_a_tiny_study_completes_through_ray(executor, tmp_path):
     assert summary.counts.get("ok") == 2, summary.counts
     assert summary.best.tokens_per_s > 0
     assert executor.running() == []
+
+
+def test_nodes_of_different_kinds_are_refused_and_alike_ones_count_the_largest():
+    """The logic over the nodes' answers (the answers themselves come from real nodes in
+    `test_ray_cluster.py`): a study is keyed by one kind of machine, so nodes whose fingerprints
+    differ apart from the device count are refused naming both kinds; alike nodes of different
+    sizes stand for the largest, and messages say so."""
+    from tuner.devices import describe
+    from tuner.executors.ray_devices import _one_kind
+    from tuner.fingerprint import fingerprint
+
+    def node(name: str, count: int, priors: str):
+        info = dataclasses.replace(describe("cpu"), name=name, count=count)
+        return info, fingerprint("cpu", info), priors
+
+    described, priors = _one_kind("cpu", [node("EPYC", 4, "small"), node("EPYC", 8, "large")])
+    assert (described.device.count, described.fingerprint["device_count"], priors) == (8, 8, "large")
+    assert described.device.where == "the Ray cluster's largest cpu node"
+    assert _one_kind("cpu", [node("EPYC", 4, "a"), node("EPYC", 4, "b")])[0].device.where == "each Ray node"
+    with pytest.raises(
+        ValueError, match=r"hardware.device: the Ray cluster's cpu nodes are not alike"
+    ) as err:
+        _one_kind("cpu", [node("EPYC", 4, "a"), node("Xeon", 4, "b"), node("EPYC", 8, "c")])
+    assert "2 x EPYC" in str(err.value) and "1 x Xeon" in str(err.value)
