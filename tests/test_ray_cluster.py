@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 from conftest_ray import collect, tiny_spec, trial_pids, wait_for
 
+from tuner.artifacts import ArtifactStore
 from tuner.executors.nodes import free_port
 from tuner.executors.ray_executor import RayExecutor
+from tuner.record import keys
 
 pytestmark = pytest.mark.slow
 
@@ -205,7 +207,11 @@ def _submitted(executor, spec):
     return executor
 
 
-def test_tuner_tune_on_the_cluster_runs_every_trial_over_both_nodes(two_nodes, tmp_path):
+def test_tuner_tune_on_the_cluster_runs_every_trial_over_both_nodes_then_show_and_build_find_it(
+    two_nodes, tmp_path
+):
+    """`tuner tune --executor ray` runs each trial over both nodes; `tuner show` and `tuner build`
+    with `--executor ray` find the study by the nodes' own fingerprint, and the build runs on a node."""
     import optuna
 
     recipe = tmp_path / "two-nodes.yaml"
@@ -251,6 +257,21 @@ def test_tuner_tune_on_the_cluster_runs_every_trial_over_both_nodes(two_nodes, t
     assert json.loads(ray_show.stdout)["study_name"] == name
     here = subprocess.run(show, env=env, capture_output=True, text=True, timeout=300)
     assert here.returncode == 2 and "no study" in here.stderr
+
+    # Its winner builds on a node (the driver may lack the device) and the archive comes back to
+    # this machine's store, described by the nodes' fingerprint.
+    build = [os.path.join(os.path.dirname(sys.executable), "tuner"), "build", str(recipe), "--storage", db]
+    built = subprocess.run(
+        [*build, "--executor", "ray", "--out", str(tmp_path / "builds"), "--json"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    record = json.loads(built.stdout)
+    assert Path(record["path"]).is_file() and Path(record["path"]).is_relative_to(tmp_path / "builds")
+    assert any(line.startswith("built on ") for line in record["summary"]) and record["build_id"]
+    manifest = ArtifactStore(tmp_path / "builds").verify(record["path"], record["sha256"])
+    study = optuna.load_study(study_name=name, storage=db)
+    assert manifest["fingerprint"] == study.user_attrs[keys.FINGERPRINT] and manifest["device"]["count"] == 1
 
 
 def test_the_nodes_describe_their_own_devices_not_the_drivers_machine(two_nodes):

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import io
 import json
 import shutil
+import socket
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,6 +27,8 @@ from tuner.build.register import register
 from tuner.build.report import cache_misses, summary_lines
 from tuner.build.select import build_plan, load_trial, machine_refusal
 from tuner.config import Config
+from tuner.executors.base import Executor
+from tuner.fingerprint import Described
 from tuner.models.base import Requirement
 from tuner.recipe import Recipe
 from tuner.record import keys
@@ -38,7 +43,7 @@ class _Plan:
     """The trial being built and where its build is made."""
 
     recipe: Recipe
-    family: str
+    described: Described  # where the trials ran (this machine, or a Ray cluster's nodes)
     study: str
     number: int
     config: Config  # what was measured
@@ -52,6 +57,10 @@ class _Plan:
     @property
     def compiled(self) -> bool:
         return self.built.compile != "none"
+
+    @property
+    def family(self) -> str:
+        return self.described.family
 
 
 @dataclass
@@ -68,17 +77,16 @@ class _Phases:
 
 def _plan(
     recipe: Recipe,
+    described: Described,
     study_name: str | None,
     trial_number: int | None,
     url: str,
     store: ArtifactStore,
     timeout_s: float,
 ) -> _Plan:
-    from tuner.devices import describe, resolve_family
-
-    family = resolve_family(recipe.hardware.device)
-    study, number, config, measured = load_trial(recipe, family, study_name, trial_number, url)
-    refusal = machine_refusal(config, recipe, family, number, describe(family).count)
+    family = described.family
+    study, number, config, measured = load_trial(recipe, described.fingerprint, study_name, trial_number, url)
+    refusal = machine_refusal(config, recipe, family, number, described.device.count)
     if refusal is not None:
         raise BuildError(refusal)
     built, no_kernels = build_plan(config, recipe, family)
@@ -90,7 +98,7 @@ def _plan(
     )  # fmt: skip
     return _Plan(
         recipe,
-        family,
+        described,
         study,
         number,
         config,
@@ -162,8 +170,6 @@ def _summary(p: _Plan, ph: _Phases, record: BuildRecord, index: list[dict[str, A
 
 def _stage(p: _Plan, ph: _Phases) -> tuple[Path, BuildRecord]:
     """The build's directory: kernels and caches, profile, spec and launch.sh, logs, config.json."""
-    from tuner.devices import describe
-
     stage = p.work / "stage"
     stage.mkdir()
     record = _record(p, ph)
@@ -178,7 +184,7 @@ def _stage(p: _Plan, ph: _Phases) -> tuple[Path, BuildRecord]:
         timeout_s=p.recipe.measure.timeout_s,
     )
     tokens = p.measured.get(keys.TOKENS_PER_S)
-    device = describe(p.family).name
+    device = p.described.device.name
     requires = write_launch(stage, launch_spec, p.recipe, p.number, p.study, tokens, device, bool(caches))
     (stage / "logs").mkdir()
     for phase in ("cold", "warm"):
@@ -197,9 +203,6 @@ def _write_config(
     caches: dict[str, str],
     requires: list[Requirement],
 ) -> None:
-    from tuner.devices import describe
-    from tuner.fingerprint import fingerprint
-
     info, warm = ph.info, ph.warm
     build = {
         "compiled_tokens_per_s": record.compiled_tokens_per_s,
@@ -226,7 +229,8 @@ def _write_config(
     write_manifest(
         stage,
         {"format": 1, "study": p.study, "trial": p.number, "created": created,
-         "fingerprint": fingerprint(p.family), "device": describe(p.family).to_dict()},
+         "fingerprint": p.described.fingerprint, "device": p.described.device.to_dict(),
+         "built_on": socket.gethostname()},
     )  # fmt: skip
 
 
@@ -239,18 +243,39 @@ def build_trial(
     store: ArtifactStore | None = None,
     timeout_s: float = 900,
     progress: Progress | None = None,
+    executor: Executor | None = None,
 ) -> BuildRecord:
-    """Build the study's best trial (or `trial_number`) of `recipe` into the artifact store."""
+    """Build the study's best trial (or `trial_number`) of `recipe` into the artifact store. With
+    an `executor` whose trials run elsewhere (Ray), the study is the one its machines ran and the
+    build compiles and measures on one of them, holding the trial's devices; the archive comes back
+    to this machine's store."""
+    from tuner.fingerprint import described_here
     from tuner.storage import default_storage_url
 
     url = storage_url or default_storage_url()
     store = store or ArtifactStore()
     say = progress or (lambda step, total, message: None)
     say(0, STEPS, "reading the trial from the study")
-    plan = _plan(recipe, study_name, trial_number, url, store, timeout_s)
-    phases = _compile(plan, say)
-    say(3, STEPS, "collecting kernels, cache, profile and manifest")
-    stage, record = _stage(plan, phases)
+    device = recipe.hardware.device
+    described = executor.describe(device) if executor is not None else described_here(device)
+    plan = _plan(recipe, described, study_name, trial_number, url, store, timeout_s)
+    if executor is not None and executor.elsewhere:
+        say(1, STEPS, f"compiling and measuring on a {plan.family} node of the cluster")
+        # Ranks share a CPU node's cores, as they do on this machine (`machine_refusal`).
+        count = (
+            min(plan.config.world_size, described.device.count)
+            if plan.family == "cpu"
+            else plan.config.world_size
+        )
+        packed, record = executor.call_on_devices(build_elsewhere, (plan,), plan.family, count)
+        say(3, STEPS, "unpacking what the node built")
+        stage = plan.work / "stage"
+        with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
+            tar.extractall(stage, filter="data")
+    else:
+        phases = _compile(plan, say)
+        say(3, STEPS, "collecting kernels, cache, profile and manifest")
+        stage, record = _stage(plan, phases)
     say(4, STEPS, "archiving and registering the build")
     path, digest, size = store.put(plan.study, plan.number, stage)
     record.path, record.sha256, record.size_bytes = str(path.resolve()), digest, size
@@ -262,3 +287,23 @@ def build_trial(
     shutil.rmtree(plan.work, ignore_errors=True)
     say(5, STEPS, "done")
     return record
+
+
+def build_elsewhere(plan: _Plan) -> tuple[bytes, BuildRecord]:
+    """On the machine that builds (a Ray node): compile and stage `plan` in a work directory of its
+    own there, and return the staged build as a gzipped tar with its record."""
+    work = Path(tempfile.mkdtemp(prefix=f"tuner-build-{plan.number}-"))
+    try:
+        spec = dataclasses.replace(plan.spec, workdir=str(work / "cold"))
+        here = dataclasses.replace(
+            plan, work=work, spec=spec, deadline=time.monotonic() + plan.spec.timeout_s
+        )
+        stage, record = _stage(here, _compile(here, lambda step, total, message: None))
+        record.summary.append(f"built on {socket.gethostname()}")
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            for item in sorted(stage.iterdir()):
+                tar.add(item, arcname=item.name)
+        return buffer.getvalue(), record
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

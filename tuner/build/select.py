@@ -13,17 +13,17 @@ from tuner.record import keys
 
 
 def load_trial(
-    recipe: Recipe, family: str, name: str | None, number: int | None, url: str
+    recipe: Recipe, fp: dict[str, Any], name: str | None, number: int | None, url: str
 ) -> tuple[str, int, Config, dict[str, Any]]:
-    """(study name, trial number, Config, measured metrics) of the trial to build."""
+    """(study name, trial number, Config, measured metrics) of the trial to build; the study is
+    `name`, or by default the recipe's on the machines whose fingerprint is `fp`."""
     import sqlalchemy
 
     from tuner.db import session_scope
-    from tuner.fingerprint import fingerprint
     from tuner.record.reader import read_study
     from tuner.study import study_name as make_study_name
 
-    name = name or make_study_name(recipe, fingerprint(family))
+    name = name or make_study_name(recipe, fp)
     with session_scope(url) as session:
         study = read_study(session, name)
     if study is None:

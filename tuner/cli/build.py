@@ -27,6 +27,7 @@ Examples:
   tuner build recipes/gpt-tiny.yaml
   tuner build recipes/gpt-tiny.yaml --trial 17 --out /srv/builds
   tuner build recipes/gpt-tiny.yaml --json
+  RAY_ADDRESS=head:6379 tuner build recipes/llama3-8b.yaml --executor ray
 
 Exit status: 0 when the archive was written; 1 when the build failed (compiler crash, timeout); 2 on bad input (recipe, no study yet, no such trial).
 """
@@ -57,6 +58,12 @@ def build(
         900, "--timeout-s", metavar="S", help="Give up on the build after S seconds."
     ),
     legacy_timeout: str | None = LEGACY_TIMEOUT,
+    executor: str = typer.Option(
+        "local",
+        "--executor",
+        metavar="local|ray",
+        help="Build here, or on a node of the Ray cluster the study ran on (the archive comes back here).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the build record as JSON."),
 ) -> None:
     from tuner.artifacts import ArtifactError, ArtifactStore
@@ -68,10 +75,12 @@ def build(
         fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}")
     if trial is not None and trial < 0:
         fail(f"--trial: must be a trial number >= 0, got {trial}")
+    if executor not in ("local", "ray"):
+        fail(f"--executor: unknown executor {executor!r}; use local or ray")
     url = storage_or_exit(storage)
     store = ArtifactStore(absolute(out))
     try:
-        with _Progress() as progress:
+        with _Progress() as progress, _executor(executor) as runner:
             record = build_trial(
                 recipe,
                 trial_number=trial,
@@ -79,6 +88,7 @@ def build(
                 store=store,
                 timeout_s=timeout_s,
                 progress=progress,
+                executor=runner,
             )
     except (NoStudyError, NoTrialError) as err:
         fail(str(err))
@@ -90,6 +100,21 @@ def build(
         typer.echo(json.dumps(record.to_dict(), indent=1))
     else:
         _print_record(record)
+
+
+def _executor(name: str):
+    """None for a build here; a Ray executor (no warm helpers: no trial runs) for one on a node."""
+    import contextlib
+
+    if name == "local":
+        return contextlib.nullcontext()
+    from tuner.executors import make_executor
+    from tuner.executors.warm import WARM_ENV
+
+    try:
+        return make_executor(name, env={WARM_ENV: "0"})
+    except (ImportError, RuntimeError, ConnectionError) as err:
+        fail(f"--executor {name}: cannot reach it: {err}")
 
 
 class _Progress:

@@ -7,7 +7,8 @@ Implementations: `local.LocalExecutor` (subprocesses on this machine) and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from tuner.result import TrialResult, TrialSpec
 
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
     from tuner.devices import DeviceInfo
     from tuner.fingerprint import Described
     from tuner.perf.priors import DevicePriors
+
+
+T = TypeVar("T")
 
 
 class Executor(ABC):
@@ -34,6 +38,8 @@ class Executor(ABC):
     """
 
     name: str = "abstract"
+    # Whether trials may run on other machines than this one (so files they write are not here).
+    elsewhere: bool = False
 
     @abstractmethod
     def free_slots(self, spec: TrialSpec) -> int: ...
@@ -62,6 +68,11 @@ class Executor(ABC):
         from tuner.fingerprint import described_here
 
         return described_here(requested)
+
+    def call_on_devices(self, fn: Callable[..., T], args: tuple, family: str, count: int) -> T:
+        """`fn(*args)` where this executor's trials run, holding `count` devices of `family`
+        meanwhile (a winner's build); by default in this process, on this machine."""
+        return fn(*args)
 
     def device_priors(self, device: DeviceInfo) -> DevicePriors | None:
         """The performance model's priors for the machine these trials run on, where this host's

@@ -1,7 +1,8 @@
 """A Ray cluster's devices as its nodes describe them, for a study that runs its trials there
 (`RayExecutor.describe`): the driver may be a head node without the device, and each node counts
 what Ray lets trials use on it. The node side (`describe_node`) runs as a task on every node that
-has the device's Ray resource; the driver side (`describe_nodes`) asks them and checks they agree."""
+has the device's Ray resource; the driver side (`describe_nodes`) asks them and checks they agree.
+`call_on_node` runs other work where the devices are (a winner's build)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,25 @@ def _one_kind(family: str, answers: list[tuple[Any, dict[str, Any], Any]]) -> tu
     alike = len({answer[0].count for answer in group}) == 1
     where = "each Ray node" if alike else f"the Ray cluster's largest {family} node"
     return Described(family, dataclasses.replace(info, where=where), fp), priors
+
+
+# How long a call on a node's devices may wait for them to be free, besides its own run.
+CALL_QUEUE_S = 600.0
+
+
+def call_on_node(fn, args: tuple, options: dict[str, Any]):
+    """`fn(*args)` as a Ray task with `options` (what it reserves), its return value, or the
+    exception it raised. Ctrl-C cancels the task (Ray raises KeyboardInterrupt in it, so whatever
+    supervises processes there stops them) and is raised again here."""
+    import ray
+
+    # max_calls=1: the worker exits after the call, with whatever device context it opened.
+    ref = ray.remote(max_retries=0, retry_exceptions=False, max_calls=1)(fn).options(**options).remote(*args)
+    try:
+        return ray.get(ref)
+    except KeyboardInterrupt:
+        ray.cancel(ref)
+        raise
+    except ray.exceptions.RayTaskError as err:
+        cause = getattr(err, "cause", None)
+        raise cause if isinstance(cause, Exception) else RuntimeError(str(err)) from None

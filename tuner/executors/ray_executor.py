@@ -28,10 +28,11 @@ import math
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tuner.executors.base import Executor
-from tuner.executors.ray_devices import describe_nodes
+from tuner.executors.ray_devices import call_on_node, describe_nodes
 from tuner.executors.ray_gang import (
     Part,
     Trial,
@@ -43,8 +44,10 @@ from tuner.executors.ray_gang import (
     unschedulable,
 )
 from tuner.executors.ray_node import (  # noqa: F401 - CoreLease is part of this module's surface
+    DEVICE_RESOURCE,
     CoreLease,
     default_lease_dir,
+    demand_options,
     error_result,
     run_on_node,
     trial_demand,
@@ -61,6 +64,7 @@ if TYPE_CHECKING:
     from tuner.perf.priors import DevicePriors
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # cancel() first asks each task to stop its trial (run_trial's kill takes at most ~2 * 3 s), then
 # force-kills the workers that did not finish in this time.
@@ -91,6 +95,7 @@ class RayExecutor(Executor):
     """
 
     name = "ray"
+    elsewhere = True
 
     def __init__(
         self,
@@ -143,6 +148,10 @@ class RayExecutor(Executor):
     def device_priors(self, device: DeviceInfo) -> DevicePriors | None:
         """The priors the nodes measured for themselves (`describe`), not the driver's machine's."""
         return self._priors.get((device.family, device.name))
+
+    def call_on_devices(self, fn: Callable[..., T], args: tuple, family: str, count: int) -> T:
+        """`fn(*args)` as a task on a node, holding `count` of its `family` devices meanwhile."""
+        return call_on_node(fn, args, demand_options(DEVICE_RESOURCE[family], count))
 
     # -- capacity --------------------------------------------------------------------------------
 
@@ -219,14 +228,7 @@ class RayExecutor(Executor):
 
     def _launch(self, trial: Trial, node_rank: int | None, master: dict[str, Any] | None = None) -> None:
         """Start one part of `trial`: the whole trial, or the task of one of its nodes."""
-        amount = trial.per_node
-        if trial.resource == "CPU":
-            options: dict[str, Any] = {"num_cpus": amount}
-        elif trial.resource == "GPU":
-            # The device is what a trial must own; its host threads are not worth blocking GPUs for.
-            options = {"num_cpus": 0, "num_gpus": amount}
-        else:
-            options = {"num_cpus": 0, "resources": {trial.resource: amount}}
+        options = demand_options(trial.resource, trial.per_node)
         part = None
         if node_rank is not None:
             options["scheduling_strategy"] = bundle_strategy(trial.group, node_rank)

@@ -42,6 +42,16 @@ def trial_demand(spec: TrialSpec) -> tuple[str, int]:
     return resource, world_size(spec)
 
 
+def demand_options(resource: str, amount: int) -> dict[str, Any]:
+    """Ray task options that reserve `amount` of a device resource (`DEVICE_RESOURCE`'s values)."""
+    if resource == "CPU":
+        return {"num_cpus": amount}
+    if resource == "GPU":
+        # The device is what a trial must own; its host threads are not worth blocking GPUs for.
+        return {"num_cpus": 0, "num_gpus": amount}
+    return {"num_cpus": 0, "resources": {resource: amount}}
+
+
 # ---- what runs on the node ------------------------------------------------------------------------
 
 

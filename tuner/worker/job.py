@@ -199,6 +199,7 @@ class JobRun:
                 storage_url=self.url,
                 store=ArtifactStore(self.worker.settings.artifact_dir),
                 progress=say,
+                executor=self.worker.executor,  # on Ray, the build runs on a node of the study's
             )
         except Exception as err:  # noqa: BLE001 - the best config stands even when its build fails
             log.exception("job %s: build failed", self.job_id)
