@@ -126,7 +126,8 @@ def test_a_gpu_winner_over_more_devices_than_this_machine_is_refused_and_a_cpu_o
     winner = Config(dp=16, micro_batch_size=1)
     said = machine_refusal(winner, two_nodes, "cuda", 7, have=8)
     assert said is not None and "trial 7 runs over 2 nodes (16 cuda devices)" in said
-    assert "which has 8" in said and "on a machine with 16 cuda devices" in said
+    assert "but this machine has 8" in said and "on a machine with 16 cuda devices" in said
+    assert "but each Ray node has 8" in machine_refusal(winner, two_nodes, "cuda", 7, 8, "each Ray node")
     assert machine_refusal(winner, two_nodes, "cuda", 7, have=16) is None
     assert machine_refusal(winner, two_nodes, "cpu", 7, have=2) is None
     assert machine_refusal(winner, RECIPE, "cuda", 7, have=1) is None

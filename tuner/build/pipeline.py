@@ -86,7 +86,7 @@ def _plan(
 ) -> _Plan:
     family = described.family
     study, number, config, measured = load_trial(recipe, described.fingerprint, study_name, trial_number, url)
-    refusal = machine_refusal(config, recipe, family, number, described.device.count)
+    refusal = machine_refusal(config, recipe, family, number, described.device.count, described.device.where)
     if refusal is not None:
         raise BuildError(refusal)
     built, no_kernels = build_plan(config, recipe, family)

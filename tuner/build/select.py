@@ -57,19 +57,22 @@ def load_trial(
     return name, number, trial.config(), metrics
 
 
-def machine_refusal(config: Config, recipe: Recipe, family: str, number: int, have: int) -> str | None:
-    """Why this machine, with `have` devices of `family`, cannot build trial `number` (None when it
-    can). A build compiles and measures every rank of the config here, in one process group: a
-    winner over several nodes builds where one machine holds all its ranks, not across the
-    cluster. On an accelerator each rank needs a device of its own, and the ranks past this
-    machine's count would each fail on a device it lacks; CPU ranks can share cores (slower, but
-    the build's kernels are the same), so a CPU winner builds anywhere."""
+def machine_refusal(
+    config: Config, recipe: Recipe, family: str, number: int, have: int, where: str = "this machine"
+) -> str | None:
+    """Why the machine that builds (`where`: this one, or a Ray node), with `have` devices of
+    `family`, cannot build trial `number` (None when it can). A build compiles and measures every
+    rank of the config on one machine, in one process group: a winner over several nodes builds
+    where one machine holds all its ranks, not across the cluster. On an accelerator each rank needs
+    a device of its own, and the ranks past the machine's count would each fail on a device it
+    lacks; CPU ranks can share cores (slower, but the build's kernels are the same), so a CPU
+    winner builds anywhere."""
     world, nodes = config.world_size, recipe.hardware.nodes
     if family == "cpu" or nodes == 1 or world <= have:
         return None
     return (
         f"trial {number} runs over {nodes} nodes ({world} {family} devices), and `tuner build` compiles "
-        f"and measures all of its ranks on this one machine, which has {have}: building across "
+        f"and measures all of its ranks on one machine, but {where} has {have}: building across "
         f"several machines is not supported yet. Run `tuner build` on a machine with {world} {family} "
         "devices, against the same database"
     )
