@@ -350,5 +350,33 @@ def test_tuner_plan_plans_for_the_nodes_devices(two_nodes, tmp_path):
     assert plans["ray"]["rows"] and plans["ray"]["rows"][0]["tokens_per_s"] > 0
 
 
+def test_tuner_measure_runs_one_config_over_both_nodes(two_nodes, tmp_path):
+    """`tuner measure --executor ray` measures a recipe over `hardware.nodes` = 2 (which the local
+    executor refuses, naming the fix): one rank on each node, measured like a study's trial."""
+    recipe = tmp_path / "two-nodes.yaml"
+    recipe.write_text(
+        "name: measure-two-nodes\n"
+        "model: {layers: 1, hidden: 32, heads: 2, seq_len: 32, vocab: 256}\n"
+        "train: {global_batch_size: 4}\n"
+        "hardware: {device: cpu, devices: 2, nodes: 2}\n"
+        "measure: {warmup_steps: 1, steps: 2}\n"
+    )
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": two_nodes_address(two_nodes),
+        "TUNER_RUNS_DIR": str(tmp_path / "runs"),
+    }
+    measure = [os.path.join(os.path.dirname(sys.executable), "tuner"), "measure", str(recipe), "--json"]
+    local = subprocess.run(measure, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert local.returncode == 2 and "--executor ray" in local.stderr, local.stderr[-2000:]
+    out = subprocess.run(
+        [*measure, "--executor", "ray"], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["status"] == "ok" and result["tokens_per_s"] > 0
+    assert result["extra"]["nodes"] == 2 and len(set(result["extra"]["rank_nodes"])) == 2
+
+
 def two_nodes_address(executor) -> str:
     return executor.address

@@ -12,6 +12,7 @@ from tuner.cli.common import (
     LEGACY_TIMEOUT,
     absolute,
     err_console,
+    executor_or_exit,
     fail,
     load_recipe_or_exit,
     refuse_renamed_timeout,
@@ -75,12 +76,10 @@ def build(
         fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}")
     if trial is not None and trial < 0:
         fail(f"--trial: must be a trial number >= 0, got {trial}")
-    if executor not in ("local", "ray"):
-        fail(f"--executor: unknown executor {executor!r}; use local or ray")
     url = storage_or_exit(storage)
     store = ArtifactStore(absolute(out))
     try:
-        with _Progress() as progress, _executor(executor) as runner:
+        with executor_or_exit(executor) as runner, _Progress() as progress:
             record = build_trial(
                 recipe,
                 trial_number=trial,
@@ -100,21 +99,6 @@ def build(
         typer.echo(json.dumps(record.to_dict(), indent=1))
     else:
         _print_record(record)
-
-
-def _executor(name: str):
-    """None for a build here; a Ray executor (no warm helpers: no trial runs) for one on a node."""
-    import contextlib
-
-    if name == "local":
-        return contextlib.nullcontext()
-    from tuner.executors import make_executor
-    from tuner.executors.warm import WARM_ENV
-
-    try:
-        return make_executor(name, env={WARM_ENV: "0"})
-    except (ImportError, RuntimeError, ConnectionError) as err:
-        fail(f"--executor {name}: cannot reach it: {err}")
 
 
 class _Progress:

@@ -75,28 +75,38 @@ def parse_sets(sets: list[str]) -> dict[str, Any]:
     return out
 
 
-def described_or_exit(recipe, executor: str):
-    """(Where `executor`'s trials run as it describes them, `tuner.fingerprint.Described`; the
-    performance-model priors it has for them, or None for this machine's own): the local executor
-    answers for this machine, Ray's nodes for themselves (`Executor.describe`). No trial runs, so no
-    warm helper starts. Exits 2 naming the field or the executor when there is no answer."""
-    if executor not in ("local", "ray"):
-        fail(f"--executor: unknown executor {executor!r}; use local or ray")
-    if executor == "local":
-        from tuner.fingerprint import described_here
+def executor_or_exit(name: str):
+    """A context for the commands that can reach a cluster (plan, show, build, measure): None for
+    `local` (they work on this machine as always), or a started Ray executor that closes with it.
+    Its trials start cold (no warm helpers on the nodes): these commands run one at most. Exits 2
+    naming --executor when it is unknown or cannot start."""
+    import contextlib
 
-        try:
-            return described_here(recipe.hardware.device), None
-        except ValueError as err:
-            fail(str(err))
+    if name not in ("local", "ray"):
+        fail(f"--executor: unknown executor {name!r}; use local or ray")
+    if name == "local":
+        return contextlib.nullcontext()
     from tuner.executors import make_executor
     from tuner.executors.warm import WARM_ENV
 
     try:
-        with make_executor(executor, env={WARM_ENV: "0"}) as ex:
+        return make_executor(name, env={WARM_ENV: "0"})
+    except (ImportError, RuntimeError, ValueError, ConnectionError) as err:
+        fail(f"--executor {name}: cannot reach it: {err}")
+
+
+def described_or_exit(recipe, executor: str):
+    """(Where `executor`'s trials run as it describes them, `tuner.fingerprint.Described`; the
+    performance-model priors it has for them, or None for this machine's own): the local executor
+    answers for this machine, Ray's nodes for themselves (`Executor.describe`). Exits 2 naming the
+    field or the executor when there is no answer."""
+    from tuner.fingerprint import described_here
+
+    with executor_or_exit(executor) as ex:
+        try:
+            if ex is None:
+                return described_here(recipe.hardware.device), None
             described = ex.describe(recipe.hardware.device)
             return described, ex.device_priors(described.device)
-    except ValueError as err:
-        fail(str(err))
-    except (ImportError, RuntimeError, ConnectionError) as err:
-        fail(f"--executor {executor}: cannot reach it: {err}")
+        except ValueError as err:
+            fail(str(err))

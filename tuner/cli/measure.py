@@ -16,6 +16,7 @@ from tuner.cli.common import (
     LEGACY_TIMEOUT,
     absolute,
     err_console,
+    executor_or_exit,
     fail,
     load_recipe_or_exit,
     parse_sets,
@@ -23,7 +24,7 @@ from tuner.cli.common import (
 )
 from tuner.record.status import OK
 
-HELP = """Measure ONE training config of RECIPE on this machine's devices.
+HELP = """Measure ONE training config of RECIPE on this machine's devices (or, with --executor ray, on the Ray cluster's nodes: a recipe over hardware.nodes > 1 runs a rank group on each).
 
 The trial runs as real processes (one per device), exactly like a trial of `tuner tune`. It starts from the plain config (data parallel over hardware.devices, every other knob at its default); --set changes knobs by their canonical names. Parallel degrees you leave out are derived so that dp*tp*pp equals hardware.devices.
 
@@ -33,6 +34,7 @@ Examples:
   tuner measure recipes/gpt-tiny.yaml --set micro_batch_size=4
   tuner measure recipes/gpt-tiny.yaml -s tp=2 -s recompute=full --json
   tuner measure recipes/gpt-tiny.yaml --profile prof/
+  RAY_ADDRESS=head:6379 tuner measure recipes/llama3-8b.yaml --executor ray -s tp=8
 
 Knobs: micro_batch_size, dp, tp, pp, pp_schedule, dp_shard, recompute, offload, attention, bucket_mb, grad_compression, amp, amp_dtype, tf32, compile, optimizer_impl, loader_workers, pin_memory, cpu_affinity. An unknown name or value lists the valid ones.
 
@@ -77,6 +79,12 @@ def measure(
         metavar="DIR",
         help="Where the trial's logs go (default: $TUNER_RUNS_DIR or ./runs, then measure/<name>-<time>).",
     ),
+    executor: str = typer.Option(
+        "local",
+        "--executor",
+        metavar="local|ray",
+        help="Run it here, or on the Ray cluster's nodes (hardware.nodes > 1 needs ray).",
+    ),
 ) -> None:
     from tuner.config import ConfigError
 
@@ -91,8 +99,13 @@ def measure(
         config = default_config(recipe.hardware.devices, parse_sets(sets))
     except ConfigError as err:
         fail(f"--set {err}")
-    spec, est = _trial_spec(recipe, config, device, workdir, timeout_s, profile is not None)
-    result = _run_with_progress(spec, config)
+    if executor == "ray" and profile is not None:
+        fail(
+            "--profile: the trace would stay on the node that ran the trial; profile with the local executor"
+        )
+    with executor_or_exit(executor) as runner:
+        spec, est = _trial_spec(recipe, config, device, workdir, timeout_s, profile is not None, runner)
+        result = _run_with_progress(spec, config, runner)
     result.extra["config"] = config.active_params()
     result.extra["estimate_gib"] = est.breakdown()
     copied = _copy_profile(Path(spec.workdir), profile) if profile is not None else None
@@ -107,29 +120,33 @@ def measure(
 
 
 def _trial_spec(
-    recipe, config, device: str | None, workdir: Path | None, timeout_s: float | None, profile: bool
+    recipe,
+    config,
+    device: str | None,
+    workdir: Path | None,
+    timeout_s: float | None,
+    profile: bool,
+    runner=None,
 ):
-    """The trial to run, once the config is known to be feasible here; (spec, memory estimate)."""
+    """The trial to run, once the config is known to be feasible where it runs (this machine, or
+    the Ray cluster's nodes as `runner` describes them); (spec, memory estimate)."""
     from tuner.config import infeasible_reasons
-    from tuner.devices import describe, resolve_family
     from tuner.estimate import budget_bytes, estimate, predicts_oom
+    from tuner.fingerprint import described_here
     from tuner.result import TrialSpec
     from tuner.settings import runs_dir
 
+    requested = device or recipe.hardware.device
     try:
-        family = resolve_family(device or recipe.hardware.device)
+        described = described_here(requested) if runner is None else runner.describe(requested)
     except ValueError as err:
         fail(str(err).replace("hardware.device:", "--device:" if device else "hardware.device:", 1))
+    family, info = described.family, described.device
     from tuner.executors.local import multi_node_refusal
 
-    refusal = multi_node_refusal(recipe.hardware.nodes)
+    refusal = multi_node_refusal(recipe.hardware.nodes) if runner is None else None
     if refusal:
-        fail(
-            refusal.replace(
-                "(--executor ray, or TUNER_EXECUTOR=ray for the service)", "(`tuner tune --executor ray`)"
-            )
-        )
-    info = describe(family)
+        fail(refusal.replace("(--executor ray, or TUNER_EXECUTOR=ray for the service)", "(--executor ray)"))
     reasons = infeasible_reasons(config, recipe, info)
     if reasons:
         fail("this config cannot run:\n  - " + "\n  - ".join(reasons))
@@ -177,14 +194,18 @@ def default_config(devices: int, params: dict[str, Any]):
     return Config.from_params({**params, **degrees})
 
 
-def _run_with_progress(spec, config):
-    """Run the trial in a thread while a spinner shows elapsed time and the trial's last log line.
-    Ctrl-C stops the trial's processes before exiting."""
+def _run_with_progress(spec, config, runner=None):
+    """Run the trial in a thread (here, or through `runner` on a cluster) while a spinner shows
+    elapsed time and the trial's last log line. Ctrl-C stops the trial's processes before exiting."""
     from tuner.executors.local import run_trial, tail
 
     box: dict[str, Any] = {}
     stop = threading.Event()
-    thread = threading.Thread(target=lambda: box.setdefault("r", run_trial(spec, stop=stop)), daemon=True)
+
+    def run() -> None:
+        box["r"] = run_trial(spec, stop=stop) if runner is None else runner.run(spec)
+
+    thread = threading.Thread(target=run, daemon=True)
     log = Path(spec.workdir) / "trial.log"
     start = time.monotonic()
     plain = type(config)().to_dict()
@@ -198,7 +219,9 @@ def _run_with_progress(spec, config):
                 status.update(f"measuring {what}  [dim]{time.monotonic() - start:.0f}s  {last}[/]")
     except KeyboardInterrupt:
         stop.set()
-        thread.join()
+        if runner is not None:
+            runner.cancel()
+        thread.join(30 if runner is not None else None)
         fail("interrupted; the trial's processes were stopped", code=130)
     return box["r"]
 
@@ -228,6 +251,8 @@ def _json_document(result, spec) -> dict[str, Any]:
         "log_path": result.log_path,
         "workdir": spec.workdir,
         "node": result.node,
+        "nodes": result.nodes,  # machines the ranks ran on, and each rank's (Ray node ids)
+        "rank_nodes": result.rank_nodes,
     }
     return doc
 
