@@ -586,3 +586,27 @@ def test_a_re_measurement_appended_to_a_trials_list_reaches_the_ranking(tmp_path
         entry = next(e for e in ranking.ranked if e.trial == best.trial)
         assert entry.remeasured_tokens_per_s == [slow, slow] and entry.tokens_per_s == slow
         assert ranking.best.trial != best.trial
+
+
+def test_the_trials_table_says_where_each_trial_ran_and_sorts_by_it(tmp_path):
+    """A study on a cluster: the table shows the host of a one-node trial and how many nodes a
+    multi-node one spanned (what the REST listing says), and sorts by it."""
+    url = f"sqlite:///{tmp_path / 'tuner.db'}"
+    upgrade(url)
+    job_id = seed_job(url, 4, seed=11, state="running")
+    with session_scope(url) as s:
+        name = s.get(Job, job_id).study_name
+        token = create_token(s, "where")
+    study = optuna.load_study(study_name=name, storage=url)
+    for node, nodes, speed in (("node-b", 1, 900.0), ("node-a", 2, 1800.0)):
+        trial = study.ask()
+        for key, value in {"status": "ok", "tokens_per_s": speed, "node": node, "nodes": nodes}.items():
+            trial.set_user_attr(key, value)
+        study.tell(trial, speed)
+    auth = {"Authorization": f"Bearer {token}"}
+    with TestClient(create_app(Settings(database_url=url))) as c:
+        resp = c.get(f"/ui/api/jobs/{job_id}/trials", params={"sort": "node", "size": 200}, headers=auth)
+    assert resp.status_code == 200, resp.text
+    placed = [(t["node"], t["nodes"]) for t in resp.json()["items"] if t["node"]]
+    # The seeded trials ran on "seed-host": sorted by where, ours come first.
+    assert placed[:2] == [("node-a", 2), ("node-b", 1)] and {n for n, _ in placed[2:]} == {"seed-host"}

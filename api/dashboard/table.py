@@ -20,6 +20,7 @@ COLUMNS = (
     "estimated_peak_mem_bytes",
     "step_time_s",
     "duration_s",
+    "node",
 )
 METRICS = (
     "tokens_per_s",

@@ -100,6 +100,9 @@ class TrialRecord:
             "estimated_peak_mem_bytes": self.attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES),
             "step_time_s": self.attrs.get(keys.STEP_TIME_S),
             "duration_s": self.duration_s,
+            # Where it ran: the host of a one-node trial, and how many nodes a multi-node one spanned.
+            "node": self.attrs.get(keys.NODE),
+            "nodes": self.attrs.get(keys.NODES),
             # Why it failed or was pruned (estimated OOM, infeasible, duplicate): the status's tooltip.
             "error": self.attrs.get(keys.ERROR) or self.attrs.get(keys.PRUNED_REASON),
             "params": self.params,

@@ -28,6 +28,8 @@ const COLUMNS = [
   ["estimated_peak_mem_bytes", "Est. mem", (t) => bytes(t.estimated_peak_mem_bytes)],
   ["step_time_s", "Step", (t) => seconds(t.step_time_s)],
   ["duration_s", "Duration", (t) => seconds(t.duration_s)],
+  // Where it ran: the host, or how many nodes a trial over several machines spanned.
+  ["node", "Where", (t) => (t.nodes > 1 ? `${t.nodes} nodes` : t.node ?? "–")],
 ];
 
 function markReady() {
