@@ -481,21 +481,27 @@ def test_fuzzed_dashboard_queries_never_get_a_5xx(db):
         check()
 
 
-def test_a_trial_with_nan_loss_and_infinite_throughput_does_not_break_the_pages(tmp_path):
-    """JSON has no NaN: a diverged trial's values go out as null, the pages still load."""
+def _running_job(tmp_path, trials: int, seed: int):
+    """A fresh database with one running job of `trials` seeded trials: (url, job id, its Optuna
+    study, auth headers)."""
     url = f"sqlite:///{tmp_path / 'tuner.db'}"
     upgrade(url)
-    job_id = seed_job(url, 20, seed=9, state="running")
+    job_id = seed_job(url, trials, seed=seed, state="running")
     with session_scope(url) as s:
         name = s.get(Job, job_id).study_name
-        token = create_token(s, "nan")
+        token = create_token(s, f"job-{seed}")
     study = optuna.load_study(study_name=name, storage=url)
+    return url, job_id, study, {"Authorization": f"Bearer {token}"}
+
+
+def test_a_trial_with_nan_loss_and_infinite_throughput_does_not_break_the_pages(tmp_path):
+    """JSON has no NaN: a diverged trial's values go out as null, the pages still load."""
+    url, job_id, study, auth = _running_job(tmp_path, 20, seed=9)
     trial = study.ask()
     trial.set_user_attr("status", "error")
     trial.set_user_attr("loss", float("nan"))
     trial.set_user_attr("tokens_per_s", float("inf"))
     study.tell(trial, state=optuna.trial.TrialState.FAIL)
-    auth = {"Authorization": f"Bearer {token}"}
     with TestClient(create_app(Settings(database_url=url))) as c:
         for path in (
             f"/ui/api/jobs/{job_id}/overview",
@@ -591,19 +597,12 @@ def test_a_re_measurement_appended_to_a_trials_list_reaches_the_ranking(tmp_path
 def test_the_trials_table_says_where_each_trial_ran_and_sorts_by_it(tmp_path):
     """A study on a cluster: the table shows the host of a one-node trial and how many nodes a
     multi-node one spanned (what the REST listing says), and sorts by it."""
-    url = f"sqlite:///{tmp_path / 'tuner.db'}"
-    upgrade(url)
-    job_id = seed_job(url, 4, seed=11, state="running")
-    with session_scope(url) as s:
-        name = s.get(Job, job_id).study_name
-        token = create_token(s, "where")
-    study = optuna.load_study(study_name=name, storage=url)
+    url, job_id, study, auth = _running_job(tmp_path, 4, seed=11)
     for node, nodes, speed in (("node-b", 1, 900.0), ("node-a", 2, 1800.0)):
         trial = study.ask()
         for key, value in {"status": "ok", "tokens_per_s": speed, "node": node, "nodes": nodes}.items():
             trial.set_user_attr(key, value)
         study.tell(trial, speed)
-    auth = {"Authorization": f"Bearer {token}"}
     with TestClient(create_app(Settings(database_url=url))) as c:
         resp = c.get(f"/ui/api/jobs/{job_id}/trials", params={"sort": "node", "size": 200}, headers=auth)
     assert resp.status_code == 200, resp.text
