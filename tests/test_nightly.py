@@ -392,3 +392,30 @@ def test_a_recipe_this_machine_cannot_hold_fails_with_the_fix_before_any_trial(t
     assert not [n for n in optuna.get_all_study_names(f"sqlite:///{tmp_path}/t.db") if "big" in n]  # no study
     doc = json.loads((tmp_path / "rep" / f"nightly-{dt.date.today()}.json").read_text())
     assert doc["verdicts"]["failed"] == ["big"]
+
+
+def test_one_executor_serves_the_whole_pass_and_each_recipe_still_fails_on_its_own(tmp_path, monkeypatch):
+    """A pass opens one executor for all its recipes (one warm helper here, one connection to a Ray
+    cluster), not one per recipe; a recipe it cannot run still fails alone, with its own fix."""
+    import tuner.executors
+
+    made = []
+    real = tuner.executors.make_executor
+    monkeypatch.setattr(
+        tuner.executors, "make_executor", lambda name, **kw: made.append(name) or real(name, **kw)
+    )
+    (tmp_path / "big.yaml").write_text(
+        "name: big\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
+        "hardware: {device: cpu, devices: 4096}\n"
+    )
+    (tmp_path / "bigger.yaml").write_text(
+        "name: bigger\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
+        "hardware: {device: cpu, devices: 2048}\n"
+    )
+    args = ["nightly", str(tmp_path), "--local", "--report", str(tmp_path / "rep")]
+    code, out = invoke([*args, "--storage", f"sqlite:///{tmp_path}/t.db"])
+    text = " ".join(out.split())
+    assert code == 1 and made == ["local"]
+    assert (
+        "big: FAILED (hardware.devices is 4096" in text and "bigger: FAILED (hardware.devices is 2048" in text
+    )

@@ -181,39 +181,44 @@ def _run_pass(
 
     outcomes = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console) as progress:
-        overall = progress.add_task(f"nightly {night}", total=len(found))
-        for path, recipe in found:
-            budget = min(trials, recipe.search.trials)  # never more than the recipe's own search
-            task = progress.add_task(f"  {recipe.name}: trials", total=budget)
+    # One executor for the whole pass (one Ray connection, one warm helper), which also says what
+    # each recipe's devices are where it runs, so the warm start is last night's on those devices.
+    shared = None if api else _pass_executor(executor)
+    try:
+        with Progress(*columns, console=err_console) as progress:
+            overall = progress.add_task(f"nightly {night}", total=len(found))
+            for path, recipe in found:
+                budget = min(trials, recipe.search.trials)  # never more than the recipe's own search
+                task = progress.add_task(f"  {recipe.name}: trials", total=budget)
 
-            def on_trial(done: int, total: int | None = None, _task=task, _budget=budget) -> None:
-                progress.update(_task, completed=done, total=total or _budget)
+                def on_trial(done: int, total: int | None = None, _task=task, _budget=budget) -> None:
+                    progress.update(_task, completed=done, total=total or _budget)
 
-            if api:
-                tune = nl.api_tuner(
-                    api, token, night=night, trials=budget, storage_url=storage, progress=on_trial
-                )
-                expected = None
-            else:
-                tune = nl.local_tuner(
-                    night=night,
-                    trials=budget,
-                    executor=executor,
-                    storage_url=storage,
-                    progress=on_trial,
-                    remeasure_top=remeasure,
-                )
-                # On Ray the nodes describe the devices as the study opens; the warm start then
-                # takes the latest night whatever its fingerprint.
-                expected = _local_fingerprint_hash(recipe) if executor == "local" else None
-            outcome = nl.run_recipe(
-                recipe, str(path), night=night, threshold=threshold, tune=tune,
-                expected_fingerprint_hash=expected, db_url=storage, top_k=top_k,
-            )  # fmt: skip
-            outcomes.append(outcome)
-            progress.update(task, description=f"  {recipe.name}: {_line(outcome)}", completed=budget)
-            progress.advance(overall)
+                if api:
+                    tune = nl.api_tuner(
+                        api, token, night=night, trials=budget, storage_url=storage, progress=on_trial
+                    )
+                    expected = None
+                else:
+                    tune = nl.local_tuner(
+                        night=night,
+                        trials=budget,
+                        executor=shared or executor,
+                        storage_url=storage,
+                        progress=on_trial,
+                        remeasure_top=remeasure,
+                    )
+                    expected = _fingerprint_hash(recipe, shared)
+                outcome = nl.run_recipe(
+                    recipe, str(path), night=night, threshold=threshold, tune=tune,
+                    expected_fingerprint_hash=expected, db_url=storage, top_k=top_k,
+                )  # fmt: skip
+                outcomes.append(outcome)
+                progress.update(task, description=f"  {recipe.name}: {_line(outcome)}", completed=budget)
+                progress.advance(overall)
+    finally:
+        if shared is not None:
+            shared.close()
     md, js = nl.write_report(outcomes, report_dir, night, threshold)
     code = nl.exit_code(outcomes)
     for o in outcomes:
@@ -222,11 +227,26 @@ def _run_pass(
     return code
 
 
-def _local_fingerprint_hash(recipe) -> str | None:
-    from tuner import nightly as nl
+def _pass_executor(name: str):
+    """The pass's executor, or None when it cannot start (each recipe then tries on its own and
+    reports why it could not, as one failed recipe, not a failed pass)."""
+    from tuner.executors import make_executor
 
     try:
-        return nl.local_fingerprint_hash(recipe)
+        return make_executor(name)
+    except Exception:  # noqa: BLE001 - e.g. no Ray cluster at RAY_ADDRESS; said per recipe
+        return None
+
+
+def _fingerprint_hash(recipe, executor) -> str | None:
+    """The fingerprint of the devices `recipe` runs on with `executor` (this machine without one)."""
+    from tuner import nightly as nl
+    from tuner.fingerprint import fingerprint_hash
+
+    try:
+        if executor is None:
+            return nl.local_fingerprint_hash(recipe)
+        return fingerprint_hash(executor.describe(recipe.hardware.device).fingerprint)
     except Exception:  # noqa: BLE001 - e.g. device: cuda on a CPU host; tuning reports it as failed
         return None
 

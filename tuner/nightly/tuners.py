@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tuner.nightly.history import Tonight, Tune, run_tag
 from tuner.recipe import Recipe
 from tuner.record import keys
 from tuner.record.status import OK, RUNNING, WAITING
+
+if TYPE_CHECKING:
+    from tuner.executors.base import Executor
 
 
 def local_fingerprint_hash(recipe: Recipe) -> str:
@@ -39,20 +42,24 @@ def local_tuner(
     *,
     night: dt.date,
     trials: int,
-    executor: str = "local",
+    executor: str | Executor = "local",
     storage_url: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     remeasure_top: int = 1,
 ) -> Tune:
-    """Tune on this machine (or its Ray cluster) with `tuner.study.run_study`."""
+    """Tune on this machine (or its Ray cluster) with `tuner.study.run_study`: through `executor`,
+    an executor the caller keeps for several recipes, or one made by name for each recipe."""
 
     def tune(recipe: Recipe, enqueue: list[dict[str, Any]], run: int) -> Tonight:
+        import contextlib
+
         from tuner.executors import make_executor
         from tuner.fingerprint import fingerprint_hash
         from tuner.study import run_study
         from tuner.study.preflight import preflight
 
-        with make_executor(executor) as ex:
+        runner = make_executor(executor) if isinstance(executor, str) else contextlib.nullcontext(executor)
+        with runner as ex:
             # What `tuner tune` checks first, so a recipe this machine (or cluster) cannot tune
             # fails with the field and the fix, not after its trials were all pruned or refused.
             preflight(recipe, recipe.search.sampler, ex)
