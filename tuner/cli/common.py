@@ -75,6 +75,14 @@ def parse_sets(sets: list[str]) -> dict[str, Any]:
     return out
 
 
+def executor_name_or_exit(name: str) -> None:
+    """Exit 2 when `--executor` names no executor."""
+    from tuner.executors import unknown_executor
+
+    if (why := unknown_executor(name)) is not None:
+        fail(why)
+
+
 def executor_or_exit(name: str):
     """A context for the commands that can reach a cluster (plan, show, build, measure): None for
     `local` (they work on this machine as always), or a started Ray executor that closes with it.
@@ -82,8 +90,7 @@ def executor_or_exit(name: str):
     naming --executor when it is unknown or cannot start."""
     import contextlib
 
-    if name not in ("local", "ray"):
-        fail(f"--executor: unknown executor {name!r}; use local or ray")
+    executor_name_or_exit(name)
     if name == "local":
         return contextlib.nullcontext()
     from tuner.executors import make_executor

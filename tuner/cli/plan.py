@@ -7,7 +7,13 @@ import json
 
 import typer
 
-from tuner.cli.common import described_or_exit, fail, load_recipe_or_exit, storage_or_exit
+from tuner.cli.common import (
+    described_or_exit,
+    executor_name_or_exit,
+    fail,
+    load_recipe_or_exit,
+    storage_or_exit,
+)
 
 PLAN_HELP = """Rank every feasible config of RECIPE by predicted tokens/s, without running any.
 
@@ -77,8 +83,7 @@ def plan(
     url = storage_or_exit(storage)
     from tuner.perf.plan import PlanError, make_plan
 
-    if executor not in ("local", "ray"):
-        fail(f"--executor: unknown executor {executor!r}; use local or ray")
+    executor_name_or_exit(executor)
     if executor == "ray" and device is not None:
         fail("--device: a catalogued device or (--executor ray) the cluster's own, not both; drop one")
     where = {}

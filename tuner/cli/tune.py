@@ -16,6 +16,7 @@ from tuner.cli.common import (
     LEGACY_TIMEOUT,
     described_or_exit,
     err_console,
+    executor_name_or_exit,
     fail,
     load_recipe_or_exit,
     refuse_renamed_timeout,
@@ -107,8 +108,7 @@ def tune(
         fail(f"--remeasure: must be 0 or more, got {remeasure}")
     if sampler is not None and sampler not in SAMPLERS:
         fail(f"--sampler: unknown sampler {sampler!r}; use one of {', '.join(SAMPLERS)}")
-    if executor not in ("local", "ray"):
-        fail(f"--executor: unknown executor {executor!r}; use local or ray")
+    executor_name_or_exit(executor)
     from tuner.executors import make_executor
     from tuner.study import run_study
     from tuner.study.preflight import PreflightError, preflight

@@ -62,8 +62,7 @@ def local_tuner(
         with runner as ex:
             # What `tuner tune` checks first, so a recipe this machine (or cluster) cannot tune
             # fails with the field and the fix, not after its trials were all pruned or refused.
-            preflight(recipe, recipe.search.sampler, ex)
-            fp = ex.describe(recipe.hardware.device).fingerprint
+            fp = preflight(recipe, recipe.search.sampler, ex).fingerprint
             name = nightly_study_name(recipe, fp, night, run)
             queued = _enqueue_first(recipe, name, enqueue, storage_url)
             summary = run_study(

@@ -11,18 +11,20 @@ from tuner.recipe import Recipe
 
 if TYPE_CHECKING:
     from tuner.executors.base import Executor
+    from tuner.fingerprint import Described
 
 
 class PreflightError(ValueError):
     """A recipe this machine cannot tune as asked; the message names the field and the fix."""
 
 
-def preflight(recipe: Recipe, sampler: str, executor: Executor) -> None:
-    """Raise `PreflightError` (the first problem found) unless a study of `recipe` can start with
-    `sampler` on `executor`: the executor can run its nodes, the device is where the trials run (as
-    `executor.describe` sees it: this machine, or a Ray cluster's nodes), the search space and its
-    overrides load, the sampler can be made, that machine (each node like it) holds the devices,
-    some dp*tp*pp split fills them and the model's shapes admit one."""
+def preflight(recipe: Recipe, sampler: str, executor: Executor) -> Described:
+    """Where the study's trials run, as `executor.describe` sees them (this machine, or a Ray
+    cluster's nodes), once a study of `recipe` can start there with `sampler`; else
+    `PreflightError`, the first problem found. Checked: the executor can run the recipe's nodes,
+    the device is there, the search space and its overrides load, the sampler can be made, that
+    machine (each node like it) holds the devices, some dp*tp*pp split fills them and the model's
+    shapes admit one."""
     from tuner.config import device_count_reason
     from tuner.executors.local import multi_node_refusal
     from tuner.space import SpaceError, load_space
@@ -54,3 +56,4 @@ def preflight(recipe: Recipe, sampler: str, executor: Executor) -> None:
     shape = space.shape_problem(recipe)
     if shape:
         raise PreflightError(f"{shape[0]}: {shape[1]}")
+    return described

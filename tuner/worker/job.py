@@ -130,12 +130,11 @@ class JobRun:
 
         with session_scope(self.url) as s:
             recipe = recipe_from_dict(s.get(Job, self.job_id).recipe)
-        executor = self.worker.executor
         try:  # what the API's host could not check: this worker's devices (`tuner.study.preflight`)
-            preflight(recipe, recipe.search.sampler, executor)
+            described = preflight(recipe, recipe.search.sampler, self.worker.executor)
         except PreflightError as err:
             return Outcome("failed", error=f"this worker cannot run the recipe: {err}; fix it and resubmit")
-        name = study_name(recipe, executor.describe(recipe.hardware.device).fingerprint)
+        name = study_name(recipe, described.fingerprint)
         if not recipe.search.reuse:
             # Fresh measurements: the job's own study (a re-queued job resumes it, same name).
             name = f"{name}-job{self.job_id}"
