@@ -169,3 +169,33 @@ def test_plan_refuses_an_executor_it_cannot_plan_for_before_reaching_any_cluster
     result = runner.invoke(app, ["plan", str(path), "--storage", f"sqlite:///{tmp_path}/t.db", *args])
     assert result.exit_code == 2, result.output
     assert expected in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+def _takes_executor(path) -> bool:
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]
+    return any("--executor" in p.opts for p in command.params)
+
+
+EXECUTOR_COMMANDS = [p for p in ALL_COMMANDS if _takes_executor(p)]
+
+
+@pytest.mark.parametrize("path", EXECUTOR_COMMANDS, ids=[" ".join(p) for p in EXECUTOR_COMMANDS])
+def test_every_command_that_takes_an_executor_refuses_an_unknown_one_in_the_same_words(tmp_path, path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(GOOD))
+    # The commands with a RECIPE or folder argument get the recipe; serve and worker take none.
+    args = [str(recipe)] if path[0] not in ("serve", "worker") else []
+    env = {"TUNER_DATABASE_URL": f"sqlite:///{tmp_path}/t.db", "TUNER_ARTIFACT_DIR": str(tmp_path / "b")}
+    result = runner.invoke(app, [*path, *args, "--executor", "slurm"], env=env)
+    assert result.exit_code == 2, result.output
+    assert "--executor: unknown executor 'slurm'; use local or ray" in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_the_executor_variable_is_refused_in_the_same_words(tmp_path):
+    env = {"TUNER_DATABASE_URL": f"sqlite:///{tmp_path}/t.db", "TUNER_EXECUTOR": "slurm"}
+    result = runner.invoke(app, ["worker"], env=env)
+    assert result.exit_code == 2, result.output
+    assert "TUNER_EXECUTOR: unknown executor 'slurm'; use local or ray" in " ".join(result.output.split())

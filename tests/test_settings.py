@@ -68,7 +68,7 @@ def test_only_relative_sqlite_files_change(url):
         ("TUNER_MAX_TRIALS", "0", "TUNER_MAX_TRIALS=0 must be >= 1"),
         ("TUNER_REMEASURE_TOP", "-1", "TUNER_REMEASURE_TOP=-1 must be >= 0"),
         ("TUNER_BUILD", "maybe", "TUNER_BUILD='maybe' is not a boolean"),
-        ("TUNER_EXECUTOR", "slurm", "TUNER_EXECUTOR='slurm': use local or ray"),
+        ("TUNER_EXECUTOR", "slurm", "TUNER_EXECUTOR: unknown executor 'slurm'; use local or ray"),
     ],
 )
 def test_a_bad_value_names_the_variable(name, value, message):

@@ -18,7 +18,6 @@ import sqlalchemy
 DEFAULT_DATABASE_URL = "sqlite:///tuner.db"
 DEFAULT_ARTIFACT_DIR = "builds"
 DEFAULT_RUNS_DIR = "runs"
-EXECUTORS = ("local", "ray")
 
 
 class SettingsError(ValueError):
@@ -151,8 +150,10 @@ class Settings:
         """Read and check every setting; a bad value raises SettingsError naming the variable."""
         env = os.environ if environ is None else environ
         executor = (env.get("TUNER_EXECUTOR") or "local").strip()
-        if executor not in EXECUTORS:
-            raise SettingsError(f"TUNER_EXECUTOR={executor!r}: use local or ray")
+        from tuner.executors import unknown_executor
+
+        if (why := unknown_executor(executor, "TUNER_EXECUTOR")) is not None:
+            raise SettingsError(why)
         return cls(
             database_url=database_url(env, cwd),
             artifact_dir=artifact_dir(env, cwd),

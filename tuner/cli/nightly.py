@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from tuner.cli.common import absolute, err_console, fail
+from tuner.cli.common import absolute, err_console, executor_name_or_exit, fail
 
 EPILOG = (
     "Exit codes: 0 all recipes fine; 1 a recipe regressed by more than --fail-on-regression, or failed; "
@@ -118,8 +118,7 @@ def nightly(
         fail("--local and --api exclude each other: tune here (--local) or through the service (--api URL)")
     if api and not token:
         fail("--api needs --token (or $TUNER_API_TOKEN); create one with `tuner token create --name nightly`")
-    if executor not in ("local", "ray"):
-        fail(f"--executor {executor!r}: use local or ray")
+    executor_name_or_exit(executor)
     if storage is not None:
         from tuner.settings import absolute_database_url
 

@@ -16,7 +16,7 @@ import time
 
 import typer
 
-from tuner.cli.common import fail
+from tuner.cli.common import executor_name_or_exit, fail
 from tuner.executors.nodes import free_port
 
 _PR_SET_PDEATHSIG = 1
@@ -126,8 +126,8 @@ def serve(
     from tuner.db import DatabaseError
     from tuner.migrations import prepare_database
 
-    if executor not in (None, "local", "ray"):
-        fail(f"--executor {executor!r}: use local or ray")
+    if executor is not None:
+        executor_name_or_exit(executor)
     settings = _settings_or_exit(executor=executor)
     try:
         prepare_database(settings.database_url)  # once here, so the workers do not race to create tables
@@ -167,8 +167,8 @@ def worker(
     from tuner.migrations import prepare_database
     from tuner.worker import Worker, WorkerSettings
 
-    if executor not in (None, "local", "ray"):
-        fail(f"--executor {executor!r}: use local or ray")
+    if executor is not None:
+        executor_name_or_exit(executor)
     settings = WorkerSettings.from_settings(_settings_or_exit(executor=executor), poll_s=poll_s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

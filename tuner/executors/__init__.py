@@ -5,9 +5,12 @@ from tuner.executors.base import Executor
 EXECUTORS = ("local", "ray")
 
 
-def unknown_executor(name: str) -> str | None:
-    """Why `name` is no executor (None when it is one), as every `--executor` option says it."""
-    return None if name in EXECUTORS else f"--executor: unknown executor {name!r}; use local or ray"
+def unknown_executor(name: str, field: str = "--executor") -> str | None:
+    """Why `name` is no executor (None when it is one), naming the option or variable `field` it
+    came from: every entry point (CLI options, TUNER_EXECUTOR, the nightly) says it this way."""
+    if name in EXECUTORS:
+        return None
+    return f"{field}: unknown executor {name!r}; use {' or '.join(EXECUTORS)}"
 
 
 def make_executor(name: str, **kwargs) -> Executor:
