@@ -599,6 +599,58 @@ def test_rest_plan_same_recipe_body_and_422_on_bad_input(tmp_path, priors):
         assert r.status_code == 422 and "device" in r.text and "H100" in r.text
 
 
+class ElsewhereExecutor(SyntheticExecutor):
+    """The synthetic device on machines that are not this one (a Ray cluster's nodes): its
+    studies are keyed by their fingerprint, which the API host does not share."""
+
+    def describe(self, requested: str):
+        from tuner.fingerprint import Described, fingerprint
+
+        fp = {**fingerprint("cpu", CPU), "cpu": "A node's CPU", "cpu_model": "node-1"}
+        return Described("cpu", CPU, fp)
+
+
+def test_rest_plan_is_for_the_devices_the_services_jobs_ran_on(tmp_path, priors):
+    """A service whose workers run on other machines (Ray nodes) plans for those: fitted to the
+    trials measured there, and for a device family the API host lacks."""
+    from api import Settings, create_app
+    from api.auth import create_token
+    from tuner.db import Job, session_scope
+
+    url = f"sqlite:///{tmp_path}/t.db"
+    app = create_app(Settings(database_url=url, max_trials=50, max_timeout_min=60, max_body_bytes=65536))
+    with TestClient(app) as client:
+        with session_scope(url) as s:
+            client.headers["Authorization"] = f"Bearer {create_token(s, 'tester')}"
+        before = client.post("/v1/plans?top=3", json=tiny()).json()
+        assert before["observations"] == 0 and "no job of this service has run yet" in before["basis"]
+        recipe = recipe_from_dict(tiny())
+        ex = ElsewhereExecutor(recipe)
+        run_study(recipe, storage_url=url, executor=ex, trials=6, sampler="random", seed=0, remeasure_top=0,
+                  workdir=tmp_path, progress=lambda e: None)  # fmt: skip
+        # A GPU job of the same service, on nodes with H100s (its study holds no trial yet).
+        gpu = {"family": "cuda", "device": "NVIDIA H100 80GB HBM3", "device_count": 8}
+        optuna.create_study(study_name="gpu-study", storage=url).set_user_attr(keys.FINGERPRINT, gpu)
+        with session_scope(url) as s:
+            for name in (optuna.get_all_study_names(url)[0], "gpu-study"):
+                s.add(Job(recipe_name="r", recipe={}, recipe_hash="h", study_name=name, state="done"))
+        after = client.post("/v1/plans?top=3", json=tiny())
+        assert after.status_code == 200, after.text
+        assert after.json()["observations"] == len(ex.ran) >= 4 and "job 1 ran on" in after.json()["basis"]
+        cuda = {**tiny(), "hardware": {"device": "cuda", "devices": 8}}
+        cuda["search"] = {"space": "cuda"}
+        r = client.post("/v1/plans?top=3", json=cuda)
+        assert r.status_code == 200, r.text
+        assert (
+            r.json()["machine_devices"] == 8 and "H100" in r.json()["basis"] and "job 2" in r.json()["basis"]
+        )
+        # A family no job ran on: refused, naming the field, what the jobs ran on and the way out.
+        with session_scope(url) as s:
+            s.query(Job).filter(Job.study_name == "gpu-study").delete()
+        r = client.post("/v1/plans", json=cuda)
+        assert r.status_code == 422 and "hardware.device" in r.text and "device=H100" in r.text, r.text
+
+
 def _complete_and_running(path) -> bool:
     """Read with sqlite3 itself: opening Optuna's storage would race the CLI creating its tables."""
     if not path.exists():

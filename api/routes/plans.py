@@ -26,20 +26,27 @@ async def create_plan(
     device: str | None = None,
 ):
     """Predicted tokens/s, step time, memory and a 90% interval for the best `top` configs of the
-    recipe on `devices` (default: the recipe's), from the device priors and every trial this
-    service measured on the same fingerprint. `extrapolated` says when it goes beyond them.
-    `device` (V100, A100, H100, H200, 910B): plan for that catalogued device instead of the
-    service's own, from its datasheet priors alone."""
+    recipe on `devices` (default: the recipe's), for the devices the service's newest job of the
+    recipe's device family ran on (its workers' machines or Ray nodes; this server's own before
+    any job ran), from the device priors and every trial measured there. `extrapolated` says
+    when it goes beyond them. `device` (V100, A100, H100, H200, 910B): plan for that catalogued
+    device instead, from its datasheet priors alone."""
     recipe = _parse_body(body, request.headers.get("content-type", ""))
     _check_recipe(recipe, settings)
     from tuner.perf.plan import PlanError, make_plan
+    from tuner.perf.study_plan import service_plan
 
+    url = settings.database_url
     try:
-        plan = await run_in_threadpool(
-            make_plan, recipe, devices=devices, top=top, storage_url=settings.database_url, catalogued=device
-        )
+        if device is None:
+            plan = await run_in_threadpool(service_plan, recipe, url, devices=devices, top=top)
+        else:
+            plan = await run_in_threadpool(
+                make_plan, recipe, devices=devices, top=top, storage_url=url, catalogued=device
+            )
     except PlanError as err:
         raise ApiError(422, "cannot plan this recipe", [(err.field, str(err))]) from None
-    except ValueError as err:  # a device family the service's machine lacks
-        raise ApiError(422, "cannot plan this recipe", [("hardware.device", str(err))]) from None
+    except ValueError as err:  # a device family no job of the service ran on
+        why = f"{err}; or plan for a catalogued device, e.g. POST /v1/plans?device=H100"
+        raise ApiError(422, "cannot plan this recipe", [("hardware.device", why)]) from None
     return plan.to_dict()

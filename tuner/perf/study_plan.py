@@ -11,10 +11,18 @@ from typing import Any
 
 from tuner.config import Config, short_config
 from tuner.device_table import CATALOG
-from tuner.devices import DeviceInfo, available_families, cpu_model_id, describe, known_device, same_cpu
+from tuner.devices import (
+    DeviceInfo,
+    available_families,
+    cpu_model_id,
+    describe,
+    known_device,
+    resolve_family,
+    same_cpu,
+)
 from tuner.perf.observations import observation
-from tuner.perf.plan import PlanError, PlanOrder, ranked_plan
-from tuner.recipe import RecipeError, recipe_from_dict
+from tuner.perf.plan import Plan, PlanError, PlanOrder, make_plan, ranked_plan
+from tuner.recipe import Recipe, RecipeError, recipe_from_dict
 from tuner.record import keys
 from tuner.record.ranking import Ranked, Ranking
 from tuner.record.status import OK, OOM
@@ -90,6 +98,34 @@ def plan_device(fingerprint: dict[str, Any]) -> tuple[DeviceInfo | None, str]:
             if entry.family == family and (entry.name == name or key in name):
                 return known_device(key, int(count or 8)), f"; {name} described from the device catalogue"
     return None, f"the study ran on {name or 'an unrecorded device'}, which this server cannot describe"
+
+
+WHERE_JOBS_RAN = "the devices this service's jobs ran on"
+
+
+def service_plan(recipe: Recipe, storage_url: str, *, devices: int | None = None, top: int = TOP) -> Plan:
+    """POST /v1/plans without a catalogued device: the plan for the devices the service's newest
+    job of the recipe's device family ran on (what its workers reach: a Ray cluster's nodes, which
+    the API host need not have), fitted to what was measured there. Before any job ran, this
+    machine's own devices, as `tuner plan` here would plan."""
+    from tuner.db import session_scope
+    from tuner.record.studies import job_fingerprints
+
+    with session_scope(storage_url) as s:
+        ran = job_fingerprints(s)
+    if not ran:
+        plan = make_plan(recipe, devices=devices, top=top, storage_url=storage_url)
+        return dataclasses.replace(
+            plan, basis=f"{plan.basis}; no job of this service has run yet: this server's devices"
+        )
+    families = list(dict.fromkeys(str(fp.get("family")) for _, fp in ran))
+    family = resolve_family(recipe.hardware.device, families, WHERE_JOBS_RAN)
+    job, fp = next((j, fp) for j, fp in ran if fp.get("family") == family)
+    device, note = plan_device(fp)
+    if device is None:
+        raise PlanError("hardware.device", note)
+    plan = make_plan(recipe, devices=devices, top=top, storage_url=storage_url, device=device, fingerprint=fp)
+    return dataclasses.replace(plan, basis=f"{plan.basis}; for the {device.name} job {job} ran on{note}")
 
 
 def _evenly(items: list[TrialRecord], k: int) -> list[TrialRecord]:

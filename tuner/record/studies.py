@@ -13,6 +13,7 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from tuner.optuna_tables import studies as studies_t
+from tuner.optuna_tables import study_attrs as study_attrs_t
 from tuner.optuna_tables import trials as trials_t
 from tuner.optuna_tables import user_attrs as attrs_t
 from tuner.record import keys
@@ -122,3 +123,31 @@ def trial_counts_and_durations(session: Session) -> tuple[dict[str, int], list[f
         )
     ]
     return counts, durations
+
+
+def job_fingerprints(session: Session, limit: int = 50) -> list[tuple[int, dict[str, Any]]]:
+    """(job id, fingerprint) of the service's newest jobs (at most `limit`) whose study records
+    one, newest first, one per fingerprint: the devices the service's workers ran on (a Ray
+    cluster's nodes, or the workers' own machines), which the API host need not have."""
+    from tuner.db import Job
+
+    rows = session.execute(
+        select(Job.id, Job.study_name).where(Job.study_name.is_not(None)).order_by(Job.id.desc()).limit(limit)
+    ).all()
+    if not rows or not has_studies(session):
+        return []
+    stmt = (
+        select(studies_t.c.study_name, study_attrs_t.c.value_json)
+        .join(study_attrs_t, study_attrs_t.c.study_id == studies_t.c.study_id)
+        .where(
+            studies_t.c.study_name.in_({name for _, name in rows}), study_attrs_t.c.key == keys.FINGERPRINT
+        )
+    )
+    fps = {name: parse_attr(value) for name, value in session.execute(stmt)}
+    out, seen = [], set()
+    for job_id, name in rows:
+        fp = fps.get(name)
+        if isinstance(fp, dict) and (key := repr(sorted(fp.items()))) not in seen:
+            seen.add(key)
+            out.append((job_id, fp))
+    return out
