@@ -10,7 +10,13 @@ exceed the memory budget are run and recorded as oom with the device time they c
 The CSV starts with `#` lines naming the recipe, machine and software fingerprint, and on CPU the
 one-thread matmul peaks the performance model's priors start from (`peak_flops`, FLOP/s per dtype;
 `perf_model_eval.py` uses them on any machine). Re-running
-with the same --out resumes: configs already measured `--repeats` times are skipped.
+with the same --out resumes: configs already measured `--repeats` times are skipped (the others are
+measured again in full).
+
+The repeats run as passes over every config, each pass in its own random order (`--seed`): the
+machine's slow minutes then scatter over the table instead of shifting a block of neighbouring
+configs (before 2026-12-05 each config's repeats ran back to back in the space's order; `--listed`
+still does that).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -123,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="CSV to write (resumed if it exists)")
     ap.add_argument("--repeats", type=int, default=2, help="measurements per config (default 2)")
     ap.add_argument("--limit", type=int, default=None, help="measure only the first N configs")
+    ap.add_argument(
+        "--listed",
+        action="store_true",
+        help="measure each config's repeats back to back in the space's order (how tables were made "
+        "until 2026-12-05) instead of one pass per repeat in a random order",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="of the passes' random orders (default 0)")
     args = ap.parse_args(argv)
 
     recipe = load_recipe(args.recipe)
@@ -134,49 +148,67 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     done: dict[str, dict] = {}
     if out.exists():
-        _, rows = read_table(out)
-        done = {r["key"]: r for r in rows if int(r["runs"] or 0) >= args.repeats}
+        _, measured = read_table(out)
+        done = {r["key"]: r for r in measured if int(r["runs"] or 0) >= args.repeats}
     fp = fingerprint(family)
     peaks = device_priors(device).peak_flops if family == "cpu" else None
     print(f"{len(configs)} configs, {len(done)} already measured, {args.repeats} repeats each", flush=True)
 
-    rows = []
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="tuner-table-") as tmp:
+    todo = [(i, c) for i, c in enumerate(configs) if c.key() not in done]
+    results: dict[int, list] = {i: [] for i, _ in todo}
+    ests = {i: int(estimate(recipe, c, device).peak_mem_bytes) for i, c in todo}
+
+    def rows() -> list[dict]:
+        """Every config in the space's order: measured before, measured now (so far), or not yet."""
+        out_rows = []
         for i, config in enumerate(configs):
-            key = config.key()
-            if key in done:
-                rows.append(done[key])
-                continue
-            est = int(estimate(recipe, config, device).peak_mem_bytes)
-            results = []
-            for rep in range(args.repeats):
+            if config.key() in done:
+                out_rows.append(done[config.key()])
+            elif results.get(i):
+                out_rows.append(_aggregate(config, results[i], ests[i]))
+        return out_rows
+
+    order = "listed" if args.listed else f"shuffled passes, seed {args.seed}"
+    t0, n, total = time.perf_counter(), 0, len(todo) * args.repeats
+    with tempfile.TemporaryDirectory(prefix="tuner-table-") as tmp:
+        # One pass per repeat, each in its own random order (unless --listed): a slow minute of
+        # the machine then falls on a random handful of configs, once each, instead of on a block
+        # of neighbouring configs (the space's order groups configs of one split and micro-batch
+        # size), which reads as an effect of that split and size.
+        for rep in range(args.repeats):
+            this_pass = list(todo)
+            if not args.listed:
+                random.Random(args.seed * 1000 + rep).shuffle(this_pass)
+            for i, config in this_pass:
                 spec = TrialSpec(
                     recipe=recipe.to_dict(),
                     config=config.to_dict(),
                     family=family,
                     workdir=str(Path(tmp) / f"c{i}-r{rep}"),
                     timeout_s=recipe.measure.timeout_s,
-                    estimated_peak_mem_bytes=est,
+                    estimated_peak_mem_bytes=ests[i],
                     memory_budget_bytes=budget,
                     tag=f"{i}-{rep}",
                 )
-                results.append(run_trial(spec))
-            row = _aggregate(config, results, est)
-            rows.append(row)
-            elapsed = time.perf_counter() - t0
-            print(
-                f"[{i + 1}/{len(configs)}] {elapsed:6.0f}s {row['status']:>7} "
-                f"{row['tokens_per_s'] or 0:>9.0f} tok/s  {json.dumps(config.active_params())}",
-                flush=True,
-            )
-            _write(out, recipe, fp, budget, args.repeats, rows, peaks)
-    _write(out, recipe, fp, budget, args.repeats, rows, peaks)
-    print(f"wrote {out} ({len(rows)} configs) in {time.perf_counter() - t0:.0f}s")
+                res = run_trial(spec)
+                results[i].append(res)
+                n += 1
+                print(
+                    f"[{n}/{total}] pass {rep + 1} {time.perf_counter() - t0:6.0f}s {res.status:>7} "
+                    f"{res.tokens_per_s or 0:>9.0f} tok/s  {json.dumps(config.active_params())}",
+                    flush=True,
+                )
+                if n % 10 == 0:
+                    _write(out, recipe, fp, budget, args.repeats, rows(), peaks, order)
+    table = rows()
+    _write(out, recipe, fp, budget, args.repeats, table, peaks, order)
+    print(f"wrote {out} ({len(table)} configs) in {time.perf_counter() - t0:.0f}s")
     return 0
 
 
-def _write(out: Path, recipe, fp: dict, budget: int, repeats: int, rows: list[dict], peaks=None) -> None:
+def _write(
+    out: Path, recipe, fp: dict, budget: int, repeats: int, rows: list[dict], peaks=None, order=""
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     with tmp.open("w", newline="") as f:
@@ -184,6 +216,8 @@ def _write(out: Path, recipe, fp: dict, budget: int, repeats: int, rows: list[di
         f.write(f"# fingerprint: {json.dumps(fp, sort_keys=True)}\n")
         f.write(f"# memory_budget_bytes: {budget}\n")
         f.write(f"# repeats: {repeats}\n")
+        if order:
+            f.write(f"# order: {order}\n")
         if peaks:  # what the performance model's priors start from on this machine
             f.write(f"# peak_flops: {json.dumps(peaks, sort_keys=True)}\n")
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
