@@ -188,6 +188,23 @@ def test_a_cpu_without_bf16_units_starts_bf16_at_its_measured_conversion_speed(m
     )
 
 
+def test_a_cpu_with_amx_starts_autocast_at_most_a_little_faster_than_fp32(monkeypatch):
+    # One thread's 1024-square F.linear on an Emerald Rapids (AMX): fp32 153, bf16 1,041 GFLOP/s.
+    # Its gpt-tiny steps ran autocast's matmuls at about fp32's speed (a whole-table fit: 0.93x);
+    # started at the lone peak the priors put O1 at 3.7x fp32's matmul speed.
+    measured = {"fp32": 0.153, "bf16": 1.041, "fp16": 0.151}
+    monkeypatch.setattr(tuner.perf.priors, "peak_tflops", lambda device, dtype, threads: measured[dtype])
+    priors = tuner.perf.priors.device_priors(CPU)
+    recipe = recipe_from_dict(tiny())
+    configs = [Config(dp=2, micro_batch_size=8, amp=a) for a in ("O0", "O1")]
+    works = [step_work(recipe, c, CPU) for c in configs]
+    step = np.exp(predict_log(prior(priors)[0], features(works, configs, priors)))
+    # O1 keeps norms and softmax in fp32 (the same memory traffic), so only its matmuls differ.
+    assert 1.0 < step[0] / step[1] <= tuner.perf.priors.CPU_AUTOCAST_MAX_OVER_FP32, step
+    # A CPU whose bf16 is no faster than its fp32 keeps the plain start (no cap applies).
+    assert priors.autocast_offset("fp16") == 0.0 and priors.autocast_offset("bf16") < -1.0
+
+
 def test_fit_recovers_known_coefficients_and_its_interval_covers_held_back_points():
     recipe = recipe_from_dict(tiny())
     configs = space_configs(recipe)

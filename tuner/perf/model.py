@@ -170,6 +170,10 @@ def features(works: Sequence[StepWork], configs: Sequence[Config], priors: Devic
         # A data-parallel group larger than a node crosses nodes: its link is the slower one.
         "dp_link": col(priors.cross_node_share if w.ranks > priors.node_devices else 1.0 for w in works),
         "autocast": col(c.amp in ("O1", "O2") for c in configs),
+        # Where the low dtype's lone matmul is far faster than fp32's, autocast's start is capped.
+        "autocast_offset": col(
+            priors.autocast_offset(_dtype(c)) if c.amp in ("O1", "O2") else 0.0 for c in configs
+        ),
         "amp_O2": col(c.amp == "O2" for c in configs),
     }
     # Normalized once per config, not once per multiplier: a plan ranks thousands of configs.
@@ -182,7 +186,7 @@ def predict_log(theta: np.ndarray, f: Features) -> np.ndarray:
     """Log step time (s) of every row under coefficients `theta` (COEF_NAMES order)."""
     c = f.cols
     eff, half, bw, lat, overlap, host, autocast, o2, mem_bw, p2p = theta[: len(PHYSICAL)]
-    speed = c["peak"] * np.exp(eff + autocast * c["autocast"] + o2 * c["amp_O2"])
+    speed = c["peak"] * np.exp(eff + (autocast + c["autocast_offset"]) * c["autocast"] + o2 * c["amp_O2"])
     speed = speed * c["micro_tokens"] / (c["micro_tokens"] + math.exp(half))
     # One micro-batch on the busiest rank: matmuls at their speed, memory-bound kernels at the
     # memory's, host work per unit.

@@ -5,6 +5,7 @@ kernel-ish unit."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tuner.devices import DeviceInfo, peak_tflops
@@ -20,6 +21,16 @@ from tuner.devices import DeviceInfo, peak_tflops
 # close to the same prior. Accelerators' autocast runs the tensor cores their datasheet's peak
 # is for: 0, the efficiency covers the rest.
 CPU_LOG_AUTOCAST = -0.6
+# ... but at most this multiple of the fp32 peak, however fast the low dtype's lone matmul: a
+# 1024-square F.linear keeps AMX tiles or bf16 dot-product units busy, a training step's small
+# matmuls do not (one thread of an Emerald Rapids, fwd+bwd in bf16 against fp32: 5.4x at 1024
+# cubed, 3.2x at 1024 x 128 x 512, 1.9x at 128 x 128 x 512, 0.8x at 128 cubed). Fitted whole,
+# five gpt tables from five CPUs put autocast's matmuls (O2) at 0.93, 0.99, 1.21, 1.51 and 1.60x
+# fp32, whether the lone bf16 peak was 2.3x fp32 (a Zen 4), 4.5x (Zen 4 and 5) or 6.8-8.4x
+# (Sapphire and Emerald Rapids, whose fitted `log_autocast` was -2.0 against the -0.6 start):
+# the cap is their median. The median of the other four, each table left out in turn, is 1.1-1.36
+# (BENCHMARKS section 11, 2026-12-05).
+CPU_AUTOCAST_MAX_OVER_FP32 = 1.2
 
 # (efficiency, half-efficiency tokens, bandwidth bytes/s, latency s per collective, host s per
 # unit, cross-node share, memory bandwidth bytes/s that memory-bound kernels reach: CPU per
@@ -67,6 +78,7 @@ class DevicePriors:
     mem_bandwidth: float = 5e9  # bytes/s of memory-bound kernels: one device (CPU: one thread)
     p2p_latency: float = 5e-5  # s per pipeline send or receive
     log_autocast: float = 0.0  # log speed of autocast's matmuls against the low dtype's peak
+    autocast_max: float = 0.0  # the most autocast's matmuls start at, over the fp32 peak (0: no cap)
     # bytes/s between a device and host memory for offloaded activations (pinned, pageable):
     # PCIe Gen4 x16 copies run at about 25 GB/s from pinned buffers and half that from pageable
     # ones. Not fitted: no trial here has offloaded (CPU has nothing to offload to).
@@ -76,6 +88,14 @@ class DevicePriors:
         """FLOP/s of one rank: a device, or on CPU its share of the cores (as the ranks set it)."""
         one = self.peak_flops.get(dtype) or self.peak_flops["fp32"]
         return one * self.threads(ranks)
+
+    def autocast_offset(self, dtype: str) -> float:
+        """Log correction on top of `log_autocast` for `dtype`'s matmuls: 0, or what takes a
+        start above `autocast_max` times the fp32 peak down to it."""
+        if self.autocast_max <= 0:
+            return 0.0
+        start = self.peak(dtype) / self.peak("fp32") * math.exp(self.log_autocast)
+        return min(0.0, math.log(self.autocast_max / start))
 
     def threads(self, ranks: int = 1) -> float:
         """How many devices' (CPU: threads') worth of memory bandwidth one rank has."""
@@ -123,4 +143,5 @@ def device_priors(device: DeviceInfo) -> DevicePriors:
         mem_bw,
         p2p_latency=p2p,
         log_autocast=CPU_LOG_AUTOCAST if device.family == "cpu" else 0.0,
+        autocast_max=CPU_AUTOCAST_MAX_OVER_FP32 if device.family == "cpu" else 0.0,
     )
