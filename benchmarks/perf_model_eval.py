@@ -21,7 +21,9 @@ rest of the table at the point a study has measured N configs of its own choosin
 
 `--residuals` fits every config of the table instead and reports what the model form cannot
 explain: the in-sample median error, the coefficients that moved furthest from their priors (in
-prior sd), and the median log(predicted/measured) of each value of every knob the table varies.
+prior sd), the median log(predicted/measured) of each value of every knob the table varies, and
+`order`: how the residuals correlate along the table's rows (`order_effects`: the machine's slow
+minutes in a table measured in the space's order).
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ def residuals(path: str) -> dict:
     return {
         "table": Path(path).name,
         "configs": len(obs),
+        "order": order_effects([o.config for o in obs], log_ratio),
         "in_sample_median_abs_error": round(float(np.median(np.abs(np.exp(log_ratio) - 1))), 4),
         "misfit_sd": round(predictor.time_fit.sigma, 4),
         "coefficients": [
@@ -181,6 +184,31 @@ def residuals(path: str) -> dict:
             for n, t, m, s in moved[:6]
         ],
         "by_knob": by_knob,
+    }
+
+
+def _pair_correlation(r: np.ndarray, groups: dict) -> float:
+    pairs = [(r[a], r[b]) for g in groups.values() for i, a in enumerate(g) for b in g[i + 1 :]]
+    return round(float(np.corrcoef(np.array(pairs).T)[0, 1]), 2) if len(pairs) > 2 else float("nan")
+
+
+def order_effects(configs: list[Config], log_ratio: np.ndarray) -> dict:
+    """How the whole-table residuals hang together along the table's rows (the space's order, in
+    which a table made with `--listed` also ran): lag-1 correlation, and the correlation between
+    configs that share split, micro-batch size and recompute (neighbouring rows) against configs
+    alike in all but the split (rows minutes apart). The machine's slow minutes raise the first
+    two under `--listed` (make_table.py)."""
+    r = log_ratio - log_ratio.mean()
+    near: dict[tuple, list[int]] = {}
+    apart: dict[tuple, list[int]] = {}
+    for i, c in enumerate(configs):
+        rec = (c.recompute, c.recompute_layers)
+        near.setdefault((c.dp, c.tp, c.pp, c.sequence_parallel, c.micro_batch_size, *rec), []).append(i)
+        apart.setdefault((c.micro_batch_size, *rec, c.attention, c.amp), []).append(i)
+    return {
+        "lag1": round(float(np.sum(r[1:] * r[:-1]) / np.sum(r * r)), 2),
+        "same_split_batch_recompute": _pair_correlation(r, near),
+        "same_but_split": _pair_correlation(r, apart),
     }
 
 
