@@ -763,6 +763,21 @@ def test_fitted_to_five_runs_of_a_measured_table_the_model_ranks_the_rest(picks)
     assert result["spearman"] >= 0.8
 
 
+def test_a_table_measured_in_shuffled_passes_shows_no_block_of_neighbouring_residuals(monkeypatch):
+    """`perf_model_eval --residuals` reports how the whole-table residuals hang together along the
+    rows: on a table measured in the space's order with repeats back to back (gpt-2) the machine's
+    slow minutes shift blocks of neighbouring configs; on one measured in shuffled passes (gpt-5,
+    `make_table.py`'s default since) they do not."""
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import perf_model_eval
+
+    listed = perf_model_eval.residuals(str(root / "benchmarks" / "tables" / "cpu-gpt-tiny-2.csv"))["order"]
+    shuffled = perf_model_eval.residuals(str(root / "benchmarks" / "tables" / "cpu-gpt-tiny-5.csv"))["order"]
+    assert listed["lag1"] > 0.4 and listed["same_split_batch_recompute"] > 0.3, listed
+    assert shuffled["lag1"] < 0.25 and shuffled["same_split_batch_recompute"] < 0.1, shuffled
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama", "hf"])
 def test_tensor_parallel_collectives_are_the_ones_dtensor_issues(family, monkeypatch):
     """The model's count of tensor-parallel collectives per micro-batch, against torch's
