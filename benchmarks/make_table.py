@@ -175,35 +175,44 @@ def main(argv: list[str] | None = None) -> int:
         # the machine then falls on a random handful of configs, once each, instead of on a block
         # of neighbouring configs (the space's order groups configs of one split and micro-batch
         # size), which reads as an effect of that split and size.
-        for rep in range(args.repeats):
-            this_pass = list(todo)
-            if not args.listed:
-                random.Random(args.seed * 1000 + rep).shuffle(this_pass)
-            for i, config in this_pass:
-                spec = TrialSpec(
-                    recipe=recipe.to_dict(),
-                    config=config.to_dict(),
-                    family=family,
-                    workdir=str(Path(tmp) / f"c{i}-r{rep}"),
-                    timeout_s=recipe.measure.timeout_s,
-                    estimated_peak_mem_bytes=ests[i],
-                    memory_budget_bytes=budget,
-                    tag=f"{i}-{rep}",
-                )
-                res = run_trial(spec)
-                results[i].append(res)
-                n += 1
-                print(
-                    f"[{n}/{total}] pass {rep + 1} {time.perf_counter() - t0:6.0f}s {res.status:>7} "
-                    f"{res.tokens_per_s or 0:>9.0f} tok/s  {json.dumps(config.active_params())}",
-                    flush=True,
-                )
-                if n % 10 == 0:
-                    _write(out, recipe, fp, budget, args.repeats, rows(), peaks, order)
+        for rep, i, config in _schedule(todo, args.repeats, args.listed, args.seed):
+            spec = TrialSpec(
+                recipe=recipe.to_dict(),
+                config=config.to_dict(),
+                family=family,
+                workdir=str(Path(tmp) / f"c{i}-r{rep}"),
+                timeout_s=recipe.measure.timeout_s,
+                estimated_peak_mem_bytes=ests[i],
+                memory_budget_bytes=budget,
+                tag=f"{i}-{rep}",
+            )
+            res = run_trial(spec)
+            results[i].append(res)
+            n += 1
+            print(
+                f"[{n}/{total}] run {rep + 1} {time.perf_counter() - t0:6.0f}s {res.status:>7} "
+                f"{res.tokens_per_s or 0:>9.0f} tok/s  {json.dumps(config.active_params())}",
+                flush=True,
+            )
+            if n % 10 == 0:
+                _write(out, recipe, fp, budget, args.repeats, rows(), peaks, order)
     table = rows()
     _write(out, recipe, fp, budget, args.repeats, table, peaks, order)
     print(f"wrote {out} ({len(table)} configs) in {time.perf_counter() - t0:.0f}s")
     return 0
+
+
+def _schedule(todo: list, repeats: int, listed: bool, seed: int) -> list[tuple[int, int, Config]]:
+    """(repeat, index, config) in the order they run: each config's repeats back to back in the
+    space's order (`listed`), else one pass per repeat, each in its own random order."""
+    if listed:
+        return [(rep, i, c) for i, c in todo for rep in range(repeats)]
+    out = []
+    for rep in range(repeats):
+        this_pass = list(todo)
+        random.Random(seed * 1000 + rep).shuffle(this_pass)
+        out.extend((rep, i, c) for i, c in this_pass)
+    return out
 
 
 def _write(
