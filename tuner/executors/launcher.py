@@ -15,7 +15,6 @@ import selectors
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -44,11 +43,27 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class StopFlag:
+    """Set by the launcher's SIGTERM handler, read by its loop. A plain attribute, no lock: a
+    `threading.Event` takes its lock in `set()`, and a handler that interrupts another handler
+    holding it waits for it forever (seen once in CI: an orphaned launcher in a futex wait with a
+    signal handler's `acquire` on top of another `acquire` of the same lock, its rank a zombie)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def set(self, *_: object) -> None:
+        self.requested = True
+
+    def is_set(self) -> bool:
+        return self.requested
+
+
 class RankGroup:
     """The ranks of one trial: their output pumped into trial.log with rank prefixes, their exits
     recorded in order, and the rest ended once one fails (after FAIL_GRACE_S) or on SIGTERM."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen], workdir: Path, stopping: threading.Event):
+    def __init__(self, procs: dict[int, subprocess.Popen], workdir: Path, stopping: StopFlag):
         self.procs = procs
         self.workdir = workdir
         self.stopping = stopping
@@ -161,8 +176,8 @@ def _launch(
         return 1
     if cpus:
         os.sched_setaffinity(0, cpus)
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    stopping = StopFlag()
+    signal.signal(signal.SIGTERM, stopping.set)
     workdir = Path(spec_path).parent
     port = free_port() if node is None else node.master_port
     ranks = range(world) if node is None else node.ranks(world)
