@@ -143,11 +143,13 @@ def job_fingerprints(session: Session, limit: int = 50) -> list[tuple[int, dict[
             studies_t.c.study_name.in_({name for _, name in rows}), study_attrs_t.c.key == keys.FINGERPRINT
         )
     )
+    from tuner.fingerprint import fingerprint_hash
+
     fps = {name: parse_attr(value) for name, value in session.execute(stmt)}
     out, seen = [], set()
     for job_id, name in rows:
         fp = fps.get(name)
-        if isinstance(fp, dict) and (key := repr(sorted(fp.items()))) not in seen:
+        if isinstance(fp, dict) and (key := fingerprint_hash(fp)) not in seen:
             seen.add(key)
             out.append((job_id, fp))
     return out
