@@ -239,13 +239,12 @@ def _pass_executor(name: str):
 
 def _fingerprint_hash(recipe, executor) -> str | None:
     """The fingerprint of the devices `recipe` runs on with `executor` (this machine without one)."""
-    from tuner import nightly as nl
-    from tuner.fingerprint import fingerprint_hash
+    from tuner.fingerprint import described_here, fingerprint_hash
 
+    device = recipe.hardware.device
     try:
-        if executor is None:
-            return nl.local_fingerprint_hash(recipe)
-        return fingerprint_hash(executor.describe(recipe.hardware.device).fingerprint)
+        described = executor.describe(device) if executor is not None else described_here(device)
+        return fingerprint_hash(described.fingerprint)
     except Exception:  # noqa: BLE001 - e.g. device: cuda on a CPU host; tuning reports it as failed
         return None
 

@@ -29,7 +29,6 @@ from tuner.nightly.report import render_markdown, write_report
 from tuner.nightly.tuners import (
     ServiceError,
     api_tuner,
-    local_fingerprint_hash,
     local_tuner,
     nightly_job_name,
     nightly_study_name,
@@ -53,7 +52,6 @@ __all__ = [
     "find_previous",
     "find_recipes",
     "judge",
-    "local_fingerprint_hash",
     "local_tuner",
     "nightly_job_name",
     "nightly_study_name",

@@ -16,13 +16,6 @@ if TYPE_CHECKING:
     from tuner.executors.base import Executor
 
 
-def local_fingerprint_hash(recipe: Recipe) -> str:
-    from tuner.devices import resolve_family
-    from tuner.fingerprint import fingerprint, fingerprint_hash
-
-    return fingerprint_hash(fingerprint(resolve_family(recipe.hardware.device)))
-
-
 def nightly_study_name(recipe: Recipe, fp: dict[str, Any], night: dt.date, run: int = 1) -> str:
     """Tonight's own study, `<study>-nightly-<night>[-run<N>]`: sharing the recipe's main study (or
     an earlier run's) would let old numbers win again tonight and hide a regression; the warm start
