@@ -75,11 +75,11 @@ def parse_sets(sets: list[str]) -> dict[str, Any]:
     return out
 
 
-def executor_name_or_exit(name: str) -> None:
-    """Exit 2 when `--executor` names no executor."""
+def executor_name_or_exit(name: str | None) -> None:
+    """Exit 2 when `--executor` names no executor (None: not given, the default stands)."""
     from tuner.executors import unknown_executor
 
-    if (why := unknown_executor(name)) is not None:
+    if name is not None and (why := unknown_executor(name)) is not None:
         fail(why)
 
 

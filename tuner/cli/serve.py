@@ -126,8 +126,7 @@ def serve(
     from tuner.db import DatabaseError
     from tuner.migrations import prepare_database
 
-    if executor is not None:
-        executor_name_or_exit(executor)
+    executor_name_or_exit(executor)
     settings = _settings_or_exit(executor=executor)
     try:
         prepare_database(settings.database_url)  # once here, so the workers do not race to create tables
@@ -167,8 +166,7 @@ def worker(
     from tuner.migrations import prepare_database
     from tuner.worker import Worker, WorkerSettings
 
-    if executor is not None:
-        executor_name_or_exit(executor)
+    executor_name_or_exit(executor)
     settings = WorkerSettings.from_settings(_settings_or_exit(executor=executor), poll_s=poll_s)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
