@@ -176,8 +176,10 @@ def worker(
     w = Worker(settings)
 
     def _shutdown(signum: int, _frame: object) -> None:
-        logging.getLogger("tuner.worker").info("signal %s: finishing up, handing the job back", signum)
+        # No lock in here (see StopFlag): not logging's, whose stream may be mid-write in the
+        # thread this handler interrupted, so the notice is one write(2) of its own.
         w.shutdown.set()
+        os.write(2, f"worker {w.worker_id}: signal {signum}: finishing up, handing the job back\n".encode())
 
     signal.signal(signal.SIGTERM, _shutdown)
     signal.signal(signal.SIGINT, _shutdown)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tuner.executors.nodes import NodePart, free_port, rank_env
 from tuner.executors.session import TERM_GRACE_S, die_with_parent
+from tuner.stopping import StopFlag
 
 # After the first rank fails, the others get this long to fail on their own (and write their error
 # json) before they are terminated: a rank blocked in a collective with a dead peer may never return.
@@ -41,22 +42,6 @@ def _children_cpu_seconds() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-class StopFlag:
-    """Set by the launcher's SIGTERM handler, read by its loop. A plain attribute, no lock: a
-    `threading.Event` takes its lock in `set()`, and a handler that interrupts another handler
-    holding it waits for it forever (seen once in CI: an orphaned launcher in a futex wait with a
-    signal handler's `acquire` on top of another `acquire` of the same lock, its rank a zombie)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def set(self, *_: object) -> None:
-        self.requested = True
-
-    def is_set(self) -> bool:
-        return self.requested
 
 
 class RankGroup:

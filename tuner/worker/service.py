@@ -4,13 +4,13 @@ workers that died. Run several workers (processes or hosts) for more jobs at onc
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tuner.db import DatabaseError
 from tuner.settings import Settings, artifact_dir
+from tuner.stopping import StopFlag
 from tuner.worker.queue import (
     HEARTBEAT_S,
     MAX_ATTEMPTS,
@@ -62,7 +62,8 @@ class Worker:
     def __init__(self, settings: WorkerSettings, executor: Any = None, worker_id: str | None = None):
         self.settings = settings
         self.worker_id = worker_id or new_worker_id()
-        self.shutdown = threading.Event()
+        # Set by the SIGTERM/SIGINT handler of `tuner worker`: a StopFlag, which needs no lock.
+        self.shutdown = StopFlag()
         self._executor = executor
 
     @property
