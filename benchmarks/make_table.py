@@ -17,6 +17,17 @@ The repeats run as passes over every config, each pass in its own random order (
 machine's slow minutes then scatter over the table instead of shifting a block of neighbouring
 configs (before 2026-12-05 each config's repeats ran back to back in the space's order; `--listed`
 still does that).
+
+`--confirm-top K` then measures the K fastest configs (by the mean of their first `--repeats`
+runs) `--confirm-runs` more times each, again in passes of their own random order, and their rows
+hold every run: the configs a search is judged against get more than two samples of a machine
+whose speed swings from minute to minute (the fastest of 200 noisy means are fast partly by
+luck). It works on a finished table too, the other rows left as they are, but then the confirmed
+rows mix the machine's speed of two sessions (BENCHMARKS section 11: 14% apart once); run it with
+the passes where you can:
+
+    python benchmarks/make_table.py benchmarks/recipes/gpt-tiny-table.yaml \
+        --out benchmarks/tables/cpu-gpt-tiny-5.csv --repeats 2 --confirm-top 40 --confirm-runs 3
 """
 
 from __future__ import annotations
@@ -100,28 +111,57 @@ def table_priors(header: dict[str, str]):
     return priors
 
 
-def _aggregate(config: Config, results: list, est: int) -> dict:
+def _aggregate(config: Config, results: list, est: int, earlier: dict | None = None) -> dict:
+    """A config's row from its runs. `earlier`: the row of runs measured before (a confirmation
+    adds to it); its tokens/s enter run by run, its other figures as one more sample each."""
     ok = [r for r in results if r.status == "ok" and r.tokens_per_s]
-    status = "ok" if len(ok) == len(results) else next(r.status for r in results if r.status != "ok")
-    tps = [r.tokens_per_s for r in ok]
+    failed = [r for r in results if r not in ok]
+    before = [float(v) for v in earlier["tokens_per_s_runs"].split(";") if v] if earlier else []
+    status = failed[0].status if failed else (earlier["status"] if earlier else "ok")
+    tps = before + [r.tokens_per_s for r in ok]
+
+    def merged(name: str, values: list, how=statistics.median):
+        values = values + ([float(earlier[name])] if earlier and earlier.get(name) else [])
+        return how(values) if values else ""
+
     row = {"key": config.key(), **config.to_dict()}
     row.update(
         status=status,
-        runs=len(results),
+        runs=len(results) + (int(earlier["runs"]) if earlier else 0),
         tokens_per_s=statistics.mean(tps) if tps and status == "ok" else "",
         tokens_per_s_runs=";".join(f"{v:.1f}" for v in tps),
         tokens_per_s_spread=(max(tps) - min(tps)) / statistics.median(tps) if len(tps) > 1 else "",
-        step_time_s=statistics.median([r.step_time_s for r in ok]) if ok else "",
-        step_time_spread=statistics.median([r.step_time_spread for r in ok]) if ok else "",
-        wall_s=statistics.mean([r.wall_s or 0.0 for r in results]),
-        peak_mem_allocated_bytes=max((r.peak_mem_allocated_bytes or 0) for r in results) or "",
-        peak_mem_reserved_bytes=max((r.peak_mem_reserved_bytes or 0) for r in results) or "",
+        step_time_s=merged("step_time_s", [r.step_time_s for r in ok]),
+        step_time_spread=merged("step_time_spread", [r.step_time_spread for r in ok]),
+        wall_s=merged("wall_s", [r.wall_s or 0.0 for r in results], statistics.mean),
+        peak_mem_allocated_bytes=int(
+            merged("peak_mem_allocated_bytes", [r.peak_mem_allocated_bytes or 0 for r in results], max)
+        )
+        or "",
+        peak_mem_reserved_bytes=int(
+            merged("peak_mem_reserved_bytes", [r.peak_mem_reserved_bytes or 0 for r in results], max)
+        )
+        or "",
         estimated_peak_mem_bytes=est,
-        mfu=statistics.mean([r.mfu for r in ok if r.mfu is not None]) if ok else "",
-        loss=ok[0].loss if ok else "",
-        error=next((r.error or "" for r in results if r.status != "ok"), "")[:300],
+        mfu=merged("mfu", [r.mfu for r in ok if r.mfu is not None], statistics.mean),
+        loss=earlier["loss"] if earlier else (ok[0].loss if ok else ""),
+        error=next((r.error or "" for r in failed), earlier["error"] if earlier else "")[:300],
     )
     return row
+
+
+def confirm_targets(rows: list[dict], repeats: int, top: int, runs: int) -> dict[str, int]:
+    """{key: runs still to measure} for the `top` fastest ok configs by the mean of their first
+    `repeats` runs (so a resumed confirmation picks the same configs), each to `repeats + runs`."""
+    first = {
+        r["key"]: statistics.mean(vs)
+        for r in rows
+        if r["status"] == "ok"
+        and (vs := [float(v) for v in r["tokens_per_s_runs"].split(";") if v][:repeats])
+    }
+    chosen = sorted(first, key=first.get, reverse=True)[:top]
+    have = {r["key"]: int(r["runs"] or 0) for r in rows}
+    return {k: repeats + runs - have[k] for k in chosen if have[k] < repeats + runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         "until 2026-12-05) instead of one pass per repeat in a random order",
     )
     ap.add_argument("--seed", type=int, default=0, help="of the passes' random orders (default 0)")
+    ap.add_argument(
+        "--confirm-top",
+        type=int,
+        default=0,
+        metavar="K",
+        help="then measure the K fastest configs --confirm-runs more times each (default 0: none)",
+    )
+    ap.add_argument(
+        "--confirm-runs", type=int, default=3, metavar="R", help="more runs per confirmed config (default 3)"
+    )
     args = ap.parse_args(argv)
 
     recipe = load_recipe(args.recipe)
@@ -147,9 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     budget = budget_bytes(recipe, device)
     out = Path(args.out)
     done: dict[str, dict] = {}
+    earlier_order = ""
     if out.exists():
-        _, measured = read_table(out)
+        header, measured = read_table(out)
         done = {r["key"]: r for r in measured if int(r["runs"] or 0) >= args.repeats}
+        earlier_order = header.get("order", "")
     fp = fingerprint(family)
     peaks = device_priors(device).peak_flops if family == "cpu" else None
     print(f"{len(configs)} configs, {len(done)} already measured, {args.repeats} repeats each", flush=True)
@@ -169,37 +221,90 @@ def main(argv: list[str] | None = None) -> int:
         return out_rows
 
     order = "listed" if args.listed else f"shuffled passes, seed {args.seed}"
-    t0, n, total = time.perf_counter(), 0, len(todo) * args.repeats
+    if "confirmed" in earlier_order and not args.confirm_top:
+        order = earlier_order  # resumed without --confirm-top: the rows keep their confirmation
+
+    def write(table: list[dict], order: str) -> None:
+        _write(out, recipe, fp, budget, args.repeats, table, peaks, order)
+
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tuner-table-") as tmp:
+
+        def measure(
+            schedule: list[tuple[int, int, Config]], into: dict[int, list], what: str, checkpoint
+        ) -> None:
+            for n, (rep, i, config) in enumerate(schedule, 1):
+                spec = TrialSpec(
+                    recipe=recipe.to_dict(),
+                    config=config.to_dict(),
+                    family=family,
+                    workdir=str(Path(tmp) / f"c{i}-{what}{rep}"),
+                    timeout_s=recipe.measure.timeout_s,
+                    estimated_peak_mem_bytes=ests[i],
+                    memory_budget_bytes=budget,
+                    tag=f"{i}-{what}{rep}",
+                )
+                res = run_trial(spec)
+                into[i].append(res)
+                print(
+                    f"[{n}/{len(schedule)}] {what} {rep + 1} {time.perf_counter() - t0:6.0f}s {res.status:>7} "
+                    f"{res.tokens_per_s or 0:>9.0f} tok/s  {json.dumps(config.active_params())}",
+                    flush=True,
+                )
+                if n % 10 == 0:
+                    checkpoint()
+
         # One pass per repeat, each in its own random order (unless --listed): a slow minute of
         # the machine then falls on a random handful of configs, once each, instead of on a block
         # of neighbouring configs (the space's order groups configs of one split and micro-batch
         # size), which reads as an effect of that split and size.
-        for rep, i, config in _schedule(todo, args.repeats, args.listed, args.seed):
-            spec = TrialSpec(
-                recipe=recipe.to_dict(),
-                config=config.to_dict(),
-                family=family,
-                workdir=str(Path(tmp) / f"c{i}-r{rep}"),
-                timeout_s=recipe.measure.timeout_s,
-                estimated_peak_mem_bytes=ests[i],
-                memory_budget_bytes=budget,
-                tag=f"{i}-{rep}",
+        measure(
+            _schedule(todo, args.repeats, args.listed, args.seed),
+            results,
+            "run",
+            lambda: write(rows(), order),
+        )
+        table = rows()
+        if args.confirm_top:
+            table, order = _confirm(
+                table, configs, args, measure, ests, lambda c: estimate(recipe, c, device), write, order
             )
-            res = run_trial(spec)
-            results[i].append(res)
-            n += 1
-            print(
-                f"[{n}/{total}] run {rep + 1} {time.perf_counter() - t0:6.0f}s {res.status:>7} "
-                f"{res.tokens_per_s or 0:>9.0f} tok/s  {json.dumps(config.active_params())}",
-                flush=True,
-            )
-            if n % 10 == 0:
-                _write(out, recipe, fp, budget, args.repeats, rows(), peaks, order)
-    table = rows()
-    _write(out, recipe, fp, budget, args.repeats, table, peaks, order)
+    write(table, order)
     print(f"wrote {out} ({len(table)} configs) in {time.perf_counter() - t0:.0f}s")
     return 0
+
+
+def _confirm(table: list[dict], configs: list, args, measure, ests: dict, est, write, order: str):
+    """Measure the `--confirm-top` fastest configs `--confirm-runs` more times, in passes of their
+    own random order (seeded apart from the main passes'), and fold the runs into their rows."""
+    index = {c.key(): i for i, c in enumerate(configs)}
+    targets = confirm_targets(table, args.repeats, args.confirm_top, args.confirm_runs)
+    earlier = {r["key"]: r for r in table}
+    todo = [(index[k], configs[index[k]]) for k in targets]
+    for i, c in todo:
+        if i not in ests:
+            ests[i] = int(est(c).peak_mem_bytes)
+    print(f"confirming the {args.confirm_top} fastest: {len(todo)} configs to measure again", flush=True)
+    # A resumed confirmation measures only the runs still missing.
+    schedule = [
+        t for t in _schedule(todo, args.confirm_runs, False, args.seed + 1) if t[0] < targets[t[2].key()]
+    ]
+    new: dict[int, list] = {i: [] for i, _ in todo}
+
+    def merged() -> list[dict]:
+        fold = {
+            configs[i].key(): _aggregate(configs[i], rs, ests[i], earlier[configs[i].key()])
+            for i, rs in new.items()
+            if rs
+        }
+        return [fold.get(r["key"], r) for r in table]
+
+    order = (
+        f"{order}; the {args.confirm_top} fastest by their first {args.repeats} runs confirmed "
+        f"by {args.confirm_runs} more each, shuffled passes, seed {args.seed + 1}"
+    )
+    measure(schedule, new, "confirm", lambda: write(merged(), order))
+    return merged(), order
 
 
 def _schedule(todo: list, repeats: int, listed: bool, seed: int) -> list[tuple[int, int, Config]]:
