@@ -111,23 +111,35 @@ def table_priors(header: dict[str, str]):
     return priors
 
 
-def _aggregate(config: Config, results: list, est: int, earlier: dict | None = None) -> dict:
-    """A config's row from its runs. `earlier`: the row of runs measured before (a confirmation
-    adds to it); its tokens/s enter run by run, its other figures as one more sample each."""
+def _aggregate(
+    config: Config, results: list, est: int, earlier: dict | None = None, confirming: bool = False
+) -> dict:
+    """A config's row from its runs. `earlier`: the row of its runs measured before (a resumed
+    table's, or the one a confirmation adds to); its tokens/s enter run by run, its other figures
+    as one more sample each. A failed run marks the row with its status, except a confirmation's:
+    the row keeps the status its first runs gave it (and so its place among the fastest), and the
+    failure goes into `error`."""
     ok = [r for r in results if r.status == "ok" and r.tokens_per_s]
     failed = [r for r in results if r not in ok]
     before = [float(v) for v in earlier["tokens_per_s_runs"].split(";") if v] if earlier else []
-    status = failed[0].status if failed else (earlier["status"] if earlier else "ok")
+    status = earlier["status"] if earlier else "ok"
+    error = earlier["error"] if earlier else ""
+    if failed and confirming:
+        error = f"{len(failed)} of {len(results)} confirmation runs failed: {failed[0].status}: {failed[0].error or ''}"
+    elif failed:
+        status, error = failed[0].status, failed[0].error or ""
     tps = before + [r.tokens_per_s for r in ok]
 
     def merged(name: str, values: list, how=statistics.median):
-        values = values + ([float(earlier[name])] if earlier and earlier.get(name) else [])
+        values = [v for v in values if v is not None]
+        if earlier and earlier.get(name) not in (None, ""):
+            values.append(float(earlier[name]))
         return how(values) if values else ""
 
     row = {"key": config.key(), **config.to_dict()}
     row.update(
         status=status,
-        runs=len(results) + (int(earlier["runs"]) if earlier else 0),
+        runs=len(results) + (int(earlier["runs"] or 0) if earlier else 0),
         tokens_per_s=statistics.mean(tps) if tps and status == "ok" else "",
         tokens_per_s_runs=";".join(f"{v:.1f}" for v in tps),
         tokens_per_s_spread=(max(tps) - min(tps)) / statistics.median(tps) if len(tps) > 1 else "",
@@ -135,17 +147,19 @@ def _aggregate(config: Config, results: list, est: int, earlier: dict | None = N
         step_time_spread=merged("step_time_spread", [r.step_time_spread for r in ok]),
         wall_s=merged("wall_s", [r.wall_s or 0.0 for r in results], statistics.mean),
         peak_mem_allocated_bytes=int(
-            merged("peak_mem_allocated_bytes", [r.peak_mem_allocated_bytes or 0 for r in results], max)
+            merged("peak_mem_allocated_bytes", [r.peak_mem_allocated_bytes or 0 for r in results], max) or 0
         )
         or "",
         peak_mem_reserved_bytes=int(
-            merged("peak_mem_reserved_bytes", [r.peak_mem_reserved_bytes or 0 for r in results], max)
+            merged("peak_mem_reserved_bytes", [r.peak_mem_reserved_bytes or 0 for r in results], max) or 0
         )
         or "",
         estimated_peak_mem_bytes=est,
-        mfu=merged("mfu", [r.mfu for r in ok if r.mfu is not None], statistics.mean),
-        loss=earlier["loss"] if earlier else (ok[0].loss if ok else ""),
-        error=next((r.error or "" for r in failed), earlier["error"] if earlier else "")[:300],
+        mfu=merged("mfu", [r.mfu for r in ok], statistics.mean),
+        loss=earlier["loss"]
+        if earlier and earlier.get("loss") not in (None, "")
+        else (ok[0].loss if ok else ""),
+        error=error[:300],
     )
     return row
 
@@ -188,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         "--confirm-runs", type=int, default=3, metavar="R", help="more runs per confirmed config (default 3)"
     )
     args = ap.parse_args(argv)
+    for name, value, least in (
+        ("--repeats", args.repeats, 1),
+        ("--confirm-top", args.confirm_top, 0),
+        ("--confirm-runs", args.confirm_runs, 1),
+    ):
+        if value < least:
+            ap.error(f"argument {name}: must be at least {least}, got {value}")
 
     recipe = load_recipe(args.recipe)
     family = resolve_family(recipe.hardware.device)
@@ -196,17 +217,23 @@ def main(argv: list[str] | None = None) -> int:
     configs = list(space.configs(recipe, device))[: args.limit]
     budget = budget_bytes(recipe, device)
     out = Path(args.out)
-    done: dict[str, dict] = {}
-    earlier_order = ""
-    if out.exists():
-        header, measured = read_table(out)
-        done = {r["key"]: r for r in measured if int(r["runs"] or 0) >= args.repeats}
-        earlier_order = header.get("order", "")
     fp = fingerprint(family)
     peaks = device_priors(device).peak_flops if family == "cpu" else None
-    print(f"{len(configs)} configs, {len(done)} already measured, {args.repeats} repeats each", flush=True)
+    order = "listed" if args.listed else f"shuffled passes, seed {args.seed}"
+    earlier: dict[str, dict] = {}  # rows of a table being resumed, by key
+    if out.exists():
+        header, measured = read_table(out)
+        earlier = {r["key"]: r for r in measured}
+        fp, peaks, recorded = _resumed_header(header, fp, peaks, family)
+    have = {k: int(r["runs"] or 0) for k, r in earlier.items()}
+    print(
+        f"{len(configs)} configs, {sum(have.get(c.key(), 0) >= args.repeats for c in configs)} already "
+        f"measured, {args.repeats} repeats each",
+        flush=True,
+    )
 
-    todo = [(i, c) for i, c in enumerate(configs) if c.key() not in done]
+    # A config measured in some passes before an interruption runs only the passes it missed.
+    todo = [(i, c) for i, c in enumerate(configs) if have.get(c.key(), 0) < args.repeats]
     results: dict[int, list] = {i: [] for i, _ in todo}
     ests = {i: int(estimate(recipe, c, device).peak_mem_bytes) for i, c in todo}
 
@@ -214,15 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         """Every config in the space's order: measured before, measured now (so far), or not yet."""
         out_rows = []
         for i, config in enumerate(configs):
-            if config.key() in done:
-                out_rows.append(done[config.key()])
-            elif results.get(i):
-                out_rows.append(_aggregate(config, results[i], ests[i]))
+            before = earlier.get(config.key())
+            if results.get(i):
+                out_rows.append(_aggregate(config, results[i], ests[i], before))
+            elif before is not None:
+                out_rows.append(before)
         return out_rows
-
-    order = "listed" if args.listed else f"shuffled passes, seed {args.seed}"
-    if "confirmed" in earlier_order and not args.confirm_top:
-        order = earlier_order  # resumed without --confirm-top: the rows keep their confirmation
 
     def write(table: list[dict], order: str) -> None:
         _write(out, recipe, fp, budget, args.repeats, table, peaks, order)
@@ -258,12 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         # the machine then falls on a random handful of configs, once each, instead of on a block
         # of neighbouring configs (the space's order groups configs of one split and micro-batch
         # size), which reads as an effect of that split and size.
-        measure(
-            _schedule(todo, args.repeats, args.listed, args.seed),
-            results,
-            "run",
-            lambda: write(rows(), order),
-        )
+        schedule = _schedule(todo, args.repeats, args.listed, args.seed)
+        schedule = [t for t in schedule if t[0] >= have.get(t[2].key(), 0)]
+        if out.exists() and (not schedule or recorded == order or recorded.startswith(order + ";")):
+            order = recorded  # how the rows were measured; nothing new, or more of the same
+        elif out.exists():
+            order = f"{recorded or 'order not recorded'}; resumed as {order}"
+        measure(schedule, results, "run", lambda: write(rows(), order))
         table = rows()
         if args.confirm_top:
             table, order = _confirm(
@@ -272,6 +297,21 @@ def main(argv: list[str] | None = None) -> int:
     write(table, order)
     print(f"wrote {out} ({len(table)} configs) in {time.perf_counter() - t0:.0f}s")
     return 0
+
+
+def _resumed_header(header: dict, fp: dict, peaks, family: str):
+    """(fingerprint, peaks, order) of a table being resumed, to write back: its own record of the
+    machine that measured it (this machine's timing of the same CPU differs from run to run, and
+    the table's priors come from it), with a warning when this machine is another CPU."""
+    theirs = json.loads(header.get("fingerprint") or "{}")
+    if theirs and family == "cpu" and not same_cpu(theirs, describe("cpu")):
+        print(
+            f"warning: the table was measured on {theirs.get('device')!r} "
+            f"({theirs.get('cpu_model') or 'model not recorded'}); runs added here mix two machines",
+            file=sys.stderr,
+        )
+    kept_peaks = json.loads(header["peak_flops"]) if "peak_flops" in header else peaks
+    return theirs or fp, kept_peaks, header.get("order", "")
 
 
 def _confirm(table: list[dict], configs: list, args, measure, ests: dict, est, write, order: str):
@@ -293,16 +333,18 @@ def _confirm(table: list[dict], configs: list, args, measure, ests: dict, est, w
 
     def merged() -> list[dict]:
         fold = {
-            configs[i].key(): _aggregate(configs[i], rs, ests[i], earlier[configs[i].key()])
+            configs[i].key(): _aggregate(configs[i], rs, ests[i], earlier[configs[i].key()], confirming=True)
             for i, rs in new.items()
             if rs
         }
         return [fold.get(r["key"], r) for r in table]
 
-    order = (
-        f"{order}; the {args.confirm_top} fastest by their first {args.repeats} runs confirmed "
+    note = (
+        f"the {args.confirm_top} fastest by their first {args.repeats} runs confirmed "
         f"by {args.confirm_runs} more each, shuffled passes, seed {args.seed + 1}"
     )
+    if note not in order:  # a resumed confirmation is the same one
+        order = f"{order}; {note}"
     measure(schedule, new, "confirm", lambda: write(merged(), order))
     return merged(), order
 

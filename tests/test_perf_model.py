@@ -777,59 +777,6 @@ def test_make_table_runs_each_repeat_as_a_pass_in_its_own_order_unless_listed(mo
     assert [(rep, i) for rep, i, _ in listed] == [(r, i) for i in range(20) for r in (0, 1)]
 
 
-def test_make_table_confirms_the_fastest_configs_by_their_first_runs_and_keeps_every_run(monkeypatch):
-    """`--confirm-top`: the fastest configs by their first `--repeats` runs (not by a mean the
-    confirmation already moved, so a resumed one picks the same configs) get more runs, and their
-    row then holds every run: a config fast by two lucky runs comes back to its level."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from make_table import _aggregate, confirm_targets
-
-    from tuner.result import TrialResult
-
-    def row(key, runs, status="ok"):
-        return {
-            "key": key,
-            "status": status,
-            "runs": str(len(runs)),
-            "tokens_per_s_runs": ";".join(map(str, runs)),
-        }
-
-    rows = [row("lucky", [19000, 19500]), row("steady", [15000, 15100]), row("slow", [9000, 9100])]
-    rows.append(row("oom", [], status="oom"))
-    assert confirm_targets(rows, 2, 2, 3) == {"lucky": 3, "steady": 3}
-    # Half way through: "lucky" fell below "steady" on its new runs, and is still the one finished.
-    rows[0] = row("lucky", [19000, 19500, 13000, 13200, 12900])
-    rows[1] = row("steady", [15000, 15100, 15050])
-    assert confirm_targets(rows, 2, 2, 3) == {"steady": 2}
-
-    config = Config(micro_batch_size=2, dp=2)
-    earlier = {
-        **row(config.key(), [19000.0, 19500.0]),
-        "step_time_s": "0.10",
-        "step_time_spread": "0.2",
-        "wall_s": "4.0",
-        "peak_mem_allocated_bytes": "1000",
-        "peak_mem_reserved_bytes": "2000",
-        "mfu": "0.3",
-        "loss": "7.6",
-        "error": "",
-    }
-    new = [
-        TrialResult(
-            "ok", step_time_s=t, step_time_spread=0.1, tokens_per_s=v, wall_s=2.0, peak_mem_allocated_bytes=m
-        )
-        for t, v, m in ((0.14, 13000.0, 1500), (0.15, 13200.0, 900), (0.15, 12900.0, 800))
-    ]
-    merged = _aggregate(config, new, 1234, earlier)
-    assert merged["runs"] == 5 and merged["status"] == "ok"
-    assert merged["tokens_per_s_runs"] == "19000.0;19500.0;13000.0;13200.0;12900.0"
-    assert merged["tokens_per_s"] == pytest.approx(15520.0)
-    assert merged["step_time_s"] == pytest.approx(0.145) and merged["wall_s"] == pytest.approx(2.5)
-    assert merged["peak_mem_allocated_bytes"] == 1500 and merged["peak_mem_reserved_bytes"] == 2000
-    failed = _aggregate(config, [TrialResult("oom", wall_s=1.0, error="over budget")], 1234, earlier)
-    assert failed["status"] == "oom" and failed["tokens_per_s"] == "" and failed["error"] == "over budget"
-
-
 def test_a_table_measured_in_shuffled_passes_shows_no_block_of_neighbouring_residuals(monkeypatch):
     """`perf_model_eval --residuals` reports how the whole-table residuals hang together along the
     rows: on a table measured in the space's order with repeats back to back (gpt-2) the machine's
