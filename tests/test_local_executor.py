@@ -503,14 +503,20 @@ def test_a_launcher_flooded_with_sigterm_still_ends_its_ranks_and_records_them(t
     `threading.Event` takes, its rank a zombie. That race is too narrow to hit on demand (this
     storm did not hit it with the Event either); the test holds what a user sees: however many
     SIGTERMs land, the launcher ends its rank, records it and exits."""
-    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(60)\n")
+    # The rank says it started: the launcher installs its handler before it starts any rank.
+    (tmp_path / "sleeper.py").write_text(
+        "import pathlib, time\npathlib.Path('started').touch()\ntime.sleep(60)\n"
+    )
     (tmp_path / "spec.json").write_text("{}")
     cmd = [sys.executable, "-m", "tuner.executors.launcher", str(tmp_path / "spec.json"), "1", "sleeper"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     for _ in range(3):
         (tmp_path / "exits.json").unlink(missing_ok=True)
+        (tmp_path / "started").unlink(missing_ok=True)
         launcher = subprocess.Popen(cmd, env=env, cwd=tmp_path)
-        time.sleep(1.0)  # the rank has started
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         for _ in range(2000):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(launcher.pid, signal.SIGTERM)

@@ -179,7 +179,10 @@ def worker(
         # No lock in here (see StopFlag): not logging's, whose stream may be mid-write in the
         # thread this handler interrupted, so the notice is one write(2) of its own.
         w.shutdown.set()
-        os.write(2, f"worker {w.worker_id}: signal {signum}: finishing up, handing the job back\n".encode())
+        with contextlib.suppress(OSError):  # stderr gone (a pipe whose reader Ctrl-C ended too)
+            os.write(
+                2, f"worker {w.worker_id}: signal {signum}: finishing up, handing the job back\n".encode()
+            )
 
     signal.signal(signal.SIGTERM, _shutdown)
     signal.signal(signal.SIGINT, _shutdown)
