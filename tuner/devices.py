@@ -76,6 +76,26 @@ def available_families() -> list[str]:
     return fams
 
 
+class UnavailableDevice(ValueError):
+    """A recipe's `hardware.device` names a family that is not where the trials would run. The
+    message names the field and the fix for a command line; `requested`, `available` and `where`
+    let another entry point (REST) word its own fix."""
+
+    def __init__(self, requested: str, available: list[str], where: str):
+        self.requested, self.available, self.where = requested, list(available), where
+        super().__init__(
+            f"hardware.device: {self.reason()}; set hardware.device to auto or one of those, or "
+            f"run this on a machine that has {requested} (tuner tune, plan and show reach a Ray "
+            f"cluster's {requested} nodes from any of its machines with --executor ray)"
+        )
+
+    def reason(self) -> str:
+        return (
+            f"{self.requested} requested but not available on {self.where} "
+            f"(available: {', '.join(self.available) or 'none'})"
+        )
+
+
 def resolve_family(
     requested: str = "auto", available: list[str] | None = None, where: str = "this machine"
 ) -> str:
@@ -90,12 +110,7 @@ def resolve_family(
     if requested not in FAMILIES:
         raise ValueError(f"hardware.device: unknown device {requested!r}; use one of auto, cpu, cuda, npu")
     if requested not in fams:
-        raise ValueError(
-            f"hardware.device: {requested} requested but not available on {where} "
-            f"(available: {', '.join(fams) or 'none'}); set hardware.device to auto or one of those, or "
-            f"run this on a machine that has {requested} (tuner tune, plan and show reach a Ray "
-            f"cluster's {requested} nodes from any of its machines with --executor ray)"
-        )
+        raise UnavailableDevice(requested, fams, where)
     return requested
 
 

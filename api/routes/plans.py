@@ -33,6 +33,7 @@ async def create_plan(
     device instead, from its datasheet priors alone."""
     recipe = _parse_body(body, request.headers.get("content-type", ""))
     _check_recipe(recipe, settings)
+    from tuner.devices import UnavailableDevice
     from tuner.perf.plan import PlanError, make_plan
     from tuner.perf.study_plan import service_plan
 
@@ -45,8 +46,11 @@ async def create_plan(
                 make_plan, recipe, devices=devices, top=top, storage_url=url, catalogued=device
             )
     except PlanError as err:
-        raise ApiError(422, "cannot plan this recipe", [(err.field, str(err))]) from None
-    except ValueError as err:  # a device family no job of the service ran on
-        why = f"{err}; or plan for a catalogued device, e.g. POST /v1/plans?device=H100"
+        raise ApiError(422, "cannot plan this recipe", [(err.field, err.message)]) from None
+    except UnavailableDevice as err:  # a device family no job of the service ran on
+        why = (
+            f"{err.reason()}; set hardware.device to auto or one of those, or plan for a catalogued "
+            f"device, e.g. POST /v1/plans?device=H100"
+        )
         raise ApiError(422, "cannot plan this recipe", [("hardware.device", why)]) from None
     return plan.to_dict()

@@ -30,7 +30,7 @@ class PlanError(ValueError):
     """Input a plan cannot be made for: `field` names what to fix."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"{field}: {message}")
 
 

@@ -125,7 +125,9 @@ def service_plan(recipe: Recipe, storage_url: str, *, devices: int | None = None
     if device is None:
         raise PlanError("hardware.device", note)
     plan = make_plan(recipe, devices=devices, top=top, storage_url=storage_url, device=device, fingerprint=fp)
-    return dataclasses.replace(plan, basis=f"{plan.basis}; for the {device.name} job {job} ran on{note}")
+    # The job's own device name: a CPU node the server is not is described with the server's.
+    ran_on = fp.get("device") or device.name
+    return dataclasses.replace(plan, basis=f"{plan.basis}; for the {ran_on} job {job} ran on{note}")
 
 
 def _evenly(items: list[TrialRecord], k: int) -> list[TrialRecord]:

@@ -126,13 +126,19 @@ def trial_counts_and_durations(session: Session) -> tuple[dict[str, int], list[f
 
 
 def job_fingerprints(session: Session, limit: int = 50) -> list[tuple[int, dict[str, Any]]]:
-    """(job id, fingerprint) of the service's newest jobs (at most `limit`) whose study records
-    one, newest first, one per fingerprint: the devices the service's workers ran on (a Ray
-    cluster's nodes, or the workers' own machines), which the API host need not have."""
+    """(job id, fingerprint) of the newest job of each of the service's newest studies (at most
+    `limit` studies) whose study records one, newest first, one per fingerprint: the devices the
+    service's workers ran on (a Ray cluster's nodes, or the workers' own machines), which the API
+    host need not have. Counted by study, so a nightly re-running one recipe takes one place."""
     from tuner.db import Job
 
+    newest = func.max(Job.id)
     rows = session.execute(
-        select(Job.id, Job.study_name).where(Job.study_name.is_not(None)).order_by(Job.id.desc()).limit(limit)
+        select(newest, Job.study_name)
+        .where(Job.study_name.is_not(None))
+        .group_by(Job.study_name)
+        .order_by(newest.desc())
+        .limit(limit)
     ).all()
     if not rows or not has_studies(session):
         return []
