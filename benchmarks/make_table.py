@@ -4,7 +4,7 @@ Each config runs as a real trial through `tuner.executors.local.run_trial` (the 
 `tuner measure`), WITHOUT the estimator's pruning: the table is ground truth, so configs that
 exceed the memory budget are run and recorded as oom with the device time they cost.
 
-    python benchmarks/make_table.py benchmarks/recipes/gpt-tiny-table.yaml \
+    python benchmarks/make_table.py benchmarks/recipes/gpt-tiny-table.yaml \\
         --out benchmarks/tables/cpu-gpt-tiny.csv --repeats 2
 
 The CSV starts with `#` lines naming the recipe, machine and software fingerprint, and on CPU the
@@ -26,7 +26,7 @@ luck). It works on a finished table too, the other rows left as they are, but th
 rows mix the machine's speed of two sessions (BENCHMARKS section 11: 14% apart once); run it with
 the passes where you can:
 
-    python benchmarks/make_table.py benchmarks/recipes/gpt-tiny-table.yaml \
+    python benchmarks/make_table.py benchmarks/recipes/gpt-tiny-table.yaml \\
         --out benchmarks/tables/cpu-gpt-tiny-5.csv --repeats 2 --confirm-top 40 --confirm-runs 3
 """
 
