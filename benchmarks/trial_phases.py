@@ -14,7 +14,7 @@ cached compiled trial's cost).
 To compare code versions on the same machine, alternate trees with PYTHONPATH, from a directory
 outside both (a tree's helper before commit 708c524 imported the working directory's `tuner`):
 
-    cd /tmp && PYTHONPATH=/path/to/tree python /path/to/tree/benchmarks/trial_phases.py \
+    cd /tmp && PYTHONPATH=/path/to/tree python /path/to/tree/benchmarks/trial_phases.py \\
         /path/to/tree/recipes/gpt-tiny.yaml --json
 
 The first trial of a run starts the warm helper, so its start is not warm.
