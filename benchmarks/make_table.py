@@ -87,6 +87,11 @@ def read_table(path: str | Path) -> tuple[dict[str, str], list[dict[str, str]]]:
     return header, list(csv.DictReader(lines))
 
 
+def row_runs(row: dict[str, str]) -> list[float]:
+    """A row's measured tokens/s, run by run (`tokens_per_s_runs`: the successful runs, in order)."""
+    return [float(v) for v in row["tokens_per_s_runs"].split(";") if v]
+
+
 def table_priors(header: dict[str, str]):
     """The performance model's device priors for the machine that measured a table: this
     machine's, with the table's recorded one-thread matmul peaks (`# peak_flops:`) when it has
@@ -121,7 +126,7 @@ def _aggregate(
     failure goes into `error`."""
     ok = [r for r in results if r.status == "ok" and r.tokens_per_s]
     failed = [r for r in results if r not in ok]
-    before = [float(v) for v in earlier["tokens_per_s_runs"].split(";") if v] if earlier else []
+    before = row_runs(earlier) if earlier else []
     status = earlier["status"] if earlier else "ok"
     error = earlier["error"] if earlier else ""
     if failed and confirming:
@@ -168,10 +173,7 @@ def confirm_targets(rows: list[dict], repeats: int, top: int, runs: int) -> dict
     """{key: runs still to measure} for the `top` fastest ok configs by the mean of their first
     `repeats` runs (so a resumed confirmation picks the same configs), each to `repeats + runs`."""
     first = {
-        r["key"]: statistics.mean(vs)
-        for r in rows
-        if r["status"] == "ok"
-        and (vs := [float(v) for v in r["tokens_per_s_runs"].split(";") if v][:repeats])
+        r["key"]: statistics.mean(vs) for r in rows if r["status"] == "ok" and (vs := row_runs(r)[:repeats])
     }
     chosen = sorted(first, key=first.get, reverse=True)[:top]
     have = {r["key"]: int(r["runs"] or 0) for r in rows}
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     peaks = device_priors(device).peak_flops if family == "cpu" else None
     order = "listed" if args.listed else f"shuffled passes, seed {args.seed}"
     earlier: dict[str, dict] = {}  # rows of a table being resumed, by key
+    recorded: str | None = None  # how its rows were measured ("" where it does not say)
     if out.exists():
         header, measured = read_table(out)
         earlier = {r["key"]: r for r in measured}
@@ -284,10 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         # size), which reads as an effect of that split and size.
         schedule = _schedule(todo, args.repeats, args.listed, args.seed)
         schedule = [t for t in schedule if t[0] >= have.get(t[2].key(), 0)]
-        if out.exists() and (not schedule or recorded == order or recorded.startswith(order + ";")):
-            order = recorded  # how the rows were measured; nothing new, or more of the same
-        elif out.exists():
-            order = f"{recorded or 'order not recorded'}; resumed as {order}"
+        if recorded is not None:
+            order = _resumed_order(recorded, order, bool(schedule))
         measure(schedule, results, "run", lambda: write(rows(), order))
         table = rows()
         if args.confirm_top:
@@ -312,6 +313,14 @@ def _resumed_header(header: dict, fp: dict, peaks, family: str):
         )
     kept_peaks = json.loads(header["peak_flops"]) if "peak_flops" in header else peaks
     return theirs or fp, kept_peaks, header.get("order", "")
+
+
+def _resumed_order(recorded: str, order: str, measuring: bool) -> str:
+    """The `# order:` of a resumed table: what it recorded, unless this run measures more of it in
+    another order, which is then appended."""
+    if not measuring or recorded == order or recorded.startswith(order + ";"):
+        return recorded
+    return f"{recorded or 'order not recorded'}; resumed as {order}"
 
 
 def _confirm(table: list[dict], configs: list, args, measure, ests: dict, est, write, order: str):

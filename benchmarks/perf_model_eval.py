@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cli_args import table_path  # noqa: E402
-from make_table import read_table, table_priors  # noqa: E402
+from make_table import read_table, row_runs, table_priors  # noqa: E402
 
 from tuner.config import KNOBS, Config  # noqa: E402
 from tuner.devices import describe  # noqa: E402
@@ -65,7 +65,7 @@ def table_observations(path: str) -> tuple[object, list[tuple[Observation, list[
         if r["status"] != "ok" or not r["tokens_per_s"]:
             continue
         config = Config.from_params({k: r[k] for k in KNOBS if r.get(k, "") != ""})
-        runs = [float(v) for v in r["tokens_per_s_runs"].split(";") if v]
+        runs = row_runs(r)
         obs = Observation(
             recipe=recipe,
             config=config,

@@ -46,7 +46,7 @@ import optuna
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cli_args import table_path  # noqa: E402
-from make_table import read_table, table_priors  # noqa: E402
+from make_table import read_table, row_runs, table_priors  # noqa: E402
 
 from tuner.baseline import baseline_config  # noqa: E402
 from tuner.config import KNOBS, Config, infeasible_reasons  # noqa: E402
@@ -116,7 +116,7 @@ class Table:
         if row["status"] != "ok":
             res = TrialResult(status=row["status"], error=row["error"], wall_s=wall)
             return Run(0.0, wall * self.devices, True), res
-        seen = [float(v) for v in row["tokens_per_s_runs"].split(";") if v]
+        seen = row_runs(row)
         tps = rng.choice(seen)
         step = float(row["step_time_s"])
         loss = float(row["loss"]) if row["loss"] else None

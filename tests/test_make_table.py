@@ -1,5 +1,5 @@
-"""`benchmarks/make_table.py`, the tabular benchmark's measuring script: its confirmation of the
-fastest configs, and what a resumed table keeps (its runs, its record of the machine, its order).
+"""`benchmarks/make_table.py`, the tabular benchmark's measuring script: its shuffled passes, its
+confirmation of the fastest configs, and what a resumed table keeps (its runs, its record of the machine, its order).
 The resume test measures real trials of the committed table recipe."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tuner.result import TrialResult
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from make_table import _aggregate, confirm_targets, main, read_table  # noqa: E402
+from make_table import _aggregate, _schedule, confirm_targets, main, read_table  # noqa: E402
 
 
 def _row(key, runs, status="ok"):
@@ -26,6 +26,17 @@ def _row(key, runs, status="ok"):
         "runs": str(len(runs)),
         "tokens_per_s_runs": ";".join(map(str, runs)),
     }
+
+
+def test_each_repeat_runs_as_a_pass_in_its_own_order_unless_listed():
+    todo = [(i, f"c{i}") for i in range(20)]
+    shuffled = _schedule(todo, 2, listed=False, seed=0)
+    first, second = ([i for rep, i, _ in shuffled if rep == r] for r in (0, 1))
+    assert [rep for rep, _, _ in shuffled] == [0] * 20 + [1] * 20  # one pass, then the other
+    assert sorted(first) == sorted(second) == list(range(20)) and first != second != list(range(20))
+    assert _schedule(todo, 2, listed=False, seed=0) == shuffled  # the seed makes it reproducible
+    listed = _schedule(todo, 2, listed=True, seed=0)
+    assert [(rep, i) for rep, i, _ in listed] == [(r, i) for i in range(20) for r in (0, 1)]
 
 
 def test_the_fastest_by_their_first_runs_are_confirmed_and_a_resumed_confirmation_picks_the_same():

@@ -778,20 +778,6 @@ def test_fitted_to_five_runs_of_a_measured_table_the_model_ranks_the_rest(picks)
     assert result["spearman"] >= 0.8
 
 
-def test_make_table_runs_each_repeat_as_a_pass_in_its_own_order_unless_listed(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from make_table import _schedule
-
-    todo = [(i, f"c{i}") for i in range(20)]
-    shuffled = _schedule(todo, 2, listed=False, seed=0)
-    first, second = ([i for rep, i, _ in shuffled if rep == r] for r in (0, 1))
-    assert [rep for rep, _, _ in shuffled] == [0] * 20 + [1] * 20  # one pass, then the other
-    assert sorted(first) == sorted(second) == list(range(20)) and first != second != list(range(20))
-    assert _schedule(todo, 2, listed=False, seed=0) == shuffled  # the seed makes it reproducible
-    listed = _schedule(todo, 2, listed=True, seed=0)
-    assert [(rep, i) for rep, i, _ in listed] == [(r, i) for i in range(20) for r in (0, 1)]
-
-
 def test_a_table_measured_in_shuffled_passes_shows_no_block_of_neighbouring_residuals(monkeypatch):
     """`perf_model_eval --residuals` reports how the whole-table residuals hang together along the
     rows: on a table measured in the space's order with repeats back to back (gpt-2) the machine's
