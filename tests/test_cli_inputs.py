@@ -171,6 +171,16 @@ def test_plan_refuses_an_executor_it_cannot_plan_for_before_reaching_any_cluster
     assert expected in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
+def test_plan_for_a_device_family_this_machine_lacks_names_the_field_once_and_the_way_out(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "hardware": {**GOOD["hardware"], "device": "cuda"}}))
+    result = runner.invoke(app, ["plan", str(path), "--storage", f"sqlite:///{tmp_path}/t.db"])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "hardware.device: cuda requested but not available on this machine (available: cpu)" in said
+    assert said.count("hardware.device:") == 1 and "--executor ray" in said and "Traceback" not in said
+
+
 def _takes_executor(path) -> bool:
     command = typer.main.get_command(app)
     for name in path:

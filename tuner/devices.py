@@ -78,21 +78,24 @@ def available_families() -> list[str]:
 
 class UnavailableDevice(ValueError):
     """A recipe's `hardware.device` names a family that is not where the trials would run. The
-    message names the field and the fix for a command line; `requested`, `available` and `where`
-    let another entry point (REST) word its own fix."""
+    message names the field and the way out for a command line; `explain` words the same with
+    another entry point's way out (REST's)."""
 
     def __init__(self, requested: str, available: list[str], where: str):
         self.requested, self.available, self.where = requested, list(available), where
         super().__init__(
-            f"hardware.device: {self.reason()}; set hardware.device to auto or one of those, or "
-            f"run this on a machine that has {requested} (tuner tune, plan and show reach a Ray "
-            f"cluster's {requested} nodes from any of its machines with --executor ray)"
+            "hardware.device: "
+            + self.explain(
+                f"run this on a machine that has {requested} (tuner tune, plan and show reach a Ray "
+                f"cluster's {requested} nodes from any of its machines with --executor ray)"
+            )
         )
 
-    def reason(self) -> str:
+    def explain(self, way_out: str) -> str:
         return (
             f"{self.requested} requested but not available on {self.where} "
-            f"(available: {', '.join(self.available) or 'none'})"
+            f"(available: {', '.join(self.available) or 'none'}); set hardware.device to auto or "
+            f"one of those, or {way_out}"
         )
 
 

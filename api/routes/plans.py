@@ -48,9 +48,6 @@ async def create_plan(
     except PlanError as err:
         raise ApiError(422, "cannot plan this recipe", [(err.field, err.message)]) from None
     except UnavailableDevice as err:  # a device family no job of the service ran on
-        why = (
-            f"{err.reason()}; set hardware.device to auto or one of those, or plan for a catalogued "
-            f"device, e.g. POST /v1/plans?device=H100"
-        )
+        why = err.explain("plan for a catalogued device, e.g. POST /v1/plans?device=H100")
         raise ApiError(422, "cannot plan this recipe", [("hardware.device", why)]) from None
     return plan.to_dict()
