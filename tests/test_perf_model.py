@@ -540,6 +540,7 @@ def test_tuner_plan_cli_json_and_bad_input(tmp_path):
     assert plan["rows"][0]["tokens_per_s"] >= 0.99 * plan["rows"][2]["tokens_per_s"]  # 1%: a tie
     bad = subprocess.run([*base, "--devices", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "devices:" in bad.stderr and "Traceback" not in bad.stderr
+    assert "e.g. --devices 8" in bad.stderr  # the way out as this entry point spells it
 
 
 def test_tuner_plan_for_a_catalogued_gpu_on_a_machine_without_one(tmp_path):
@@ -608,12 +609,18 @@ def test_rest_plan_same_recipe_body_and_422_on_bad_input(tmp_path, priors):
         doc["model"]["layers"] = "four"
         r = client.post("/v1/plans", json=doc)
         assert r.status_code == 422 and "model.layers" in r.text
+        # Each 422 names the field and the way out as REST spells it, not as the command line does.
         r = client.post("/v1/plans?devices=0", json=tiny())
-        assert r.status_code == 422 and "devices" in r.text
+        assert r.status_code == 422 and "e.g. POST /v1/plans?devices=8" in r.text and "--" not in r.text
         r = client.post("/v1/plans?device=H100&top=2", json=tiny())
         assert r.status_code == 200 and "H100" in r.json()["basis"] and r.json()["extrapolated"]
         r = client.post("/v1/plans?device=H999", json=tiny())
-        assert r.status_code == 422 and "device" in r.text and "H100" in r.text
+        assert r.status_code == 422 and "e.g. POST /v1/plans?device=H100" in r.text and "--" not in r.text
+        only_dp = tiny()
+        only_dp["search"]["overrides"] = {**OVERRIDES, "dp": [1, 2], "tp": [1], "pp": [1]}
+        r = client.post("/v1/plans?devices=3", json=only_dp)
+        assert r.status_code == 422, r.text
+        assert "multiplies to 3" in r.text and "e.g. POST /v1/plans?devices=2" in r.text
 
 
 class ElsewhereExecutor(SyntheticExecutor):

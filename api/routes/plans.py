@@ -46,7 +46,8 @@ async def create_plan(
                 make_plan, recipe, devices=devices, top=top, storage_url=url, catalogued=device
             )
     except PlanError as err:
-        raise ApiError(422, "cannot plan this recipe", [(err.field, err.message)]) from None
+        why = err.worded(lambda field, value: f"POST /v1/plans?{field}={value}")
+        raise ApiError(422, "cannot plan this recipe", [(err.field, why)]) from None
     except UnavailableDevice as err:  # a device family no job of the service ran on
         why = err.explain("plan for a catalogued device, e.g. POST /v1/plans?device=H100")
         raise ApiError(422, "cannot plan this recipe", [("hardware.device", why)]) from None

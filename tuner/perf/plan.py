@@ -5,6 +5,7 @@ more devices than this machine has (then every number is an extrapolation, and s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +28,23 @@ MAX_TOP = 1000
 
 
 class PlanError(ValueError):
-    """Input a plan cannot be made for: `field` names what to fix."""
+    """Input a plan cannot be made for: `field` names what to fix; `example`, a value that would
+    do, which each entry point words as its own option (`worded`): the command line's `--devices
+    8`, REST's `?devices=8`. `str()` is the command line's wording."""
 
-    def __init__(self, field: str, message: str):
-        self.field, self.message = field, message
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, message: str, example: str | None = None):
+        self.field, self.message, self.example = field, message, example
+        super().__init__(f"{field}: {self.worded(cli_option)}")
+
+    def worded(self, option: Callable[[str, str], str]) -> str:
+        """The message with its example as `option(field, value)` spells it."""
+        if self.example is None:
+            return self.message
+        return f"{self.message}, e.g. {option(self.field, self.example)}"
+
+
+def cli_option(field: str, value: str) -> str:
+    return f"--{field} {value}"
 
 
 @dataclass(frozen=True)
@@ -84,9 +97,9 @@ def _for_devices(recipe: Recipe, devices: int) -> Recipe:
 def check_plan_input(recipe: Recipe, devices: int | None, top: int) -> None:
     """The plan's own input rules, for the CLI and REST alike (raises PlanError)."""
     if devices is not None and not 1 <= devices <= MAX_DEVICES:
-        raise PlanError("devices", f"give a device count from 1 to {MAX_DEVICES}, e.g. --devices 8")
+        raise PlanError("devices", f"give a device count from 1 to {MAX_DEVICES}", example="8")
     if not 1 <= top <= MAX_TOP:
-        raise PlanError("top", f"give how many configs to list, from 1 to {MAX_TOP}, e.g. --top 10")
+        raise PlanError("top", f"give how many configs to list, from 1 to {MAX_TOP}", example="10")
 
 
 def make_plan(
@@ -133,7 +146,7 @@ def ranked_plan(
         try:
             device, observations = known_device(catalogued, count=n), []
         except ValueError as err:  # not in the catalogue: the error lists what is
-            raise PlanError("device", f"{err}; e.g. --device H100") from None
+            raise PlanError("device", str(err), example="H100") from None
     # A given device may be one this machine lacks (a study's, read from its fingerprint).
     family = device.family if device else resolve_family(recipe.hardware.device)
     device = device or describe(family)
@@ -142,7 +155,13 @@ def ranked_plan(
     except SpaceError as err:
         raise PlanError("search.space", str(err)) from None
     if not space.splits(n):
-        raise PlanError("devices", f"no dp*tp*pp split of the search space multiplies to {n}")
+        near = min(
+            (k for k in range(1, 2 * n + 9) if space.splits(k)), key=lambda k: abs(k - n), default=None
+        )
+        why = f"no dp*tp*pp split of the search space multiplies to {n}"
+        if devices is None:  # the recipe's own count
+            raise PlanError("hardware.devices", why + (f"; set it to {near}" if near else ""))
+        raise PlanError("devices", why, example=None if near is None else str(near))
     target = _for_devices(recipe, n)
     if observations is None:
         observations = _stored(storage_url, fingerprint or _here(family), target) if storage_url else []
