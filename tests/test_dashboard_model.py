@@ -136,3 +136,26 @@ def test_no_plan_for_a_device_this_server_cannot_describe(client):
     plan = _get(client, "/ui/api/studies/elsewhere/plan")
     assert not plan["available"] and plan["rows"] == []
     assert "Mystery GPU X1" in plan["reason"] and "cannot describe" in plan["reason"]
+
+
+def test_the_plan_of_a_study_from_another_cpu_starts_from_the_priors_that_cpu_measured(db):
+    """A study run on other machines (a Ray cluster's nodes, or a worker that is not the API host)
+    keeps what its devices measured of themselves; the job page's plan starts from those."""
+    from tuner.perf.priors import DevicePriors
+
+    job = seed_job(db["url"], 30, seed=8, name="gpt-nodes", state="running")
+    with session_scope(db["url"]) as s:
+        name = s.get(Job, job).study_name
+    measured = DevicePriors(
+        family="cpu", efficiency=0.7, half_tokens=32.0, peak_flops={"fp32": 9e10, "bf16": 2e11},
+        bandwidth=2e8, latency=3e-3, host_unit_s=2e-4, node_devices=1 << 30, cross_node_share=1.0, cores=8,
+    )  # fmt: skip
+    study = optuna.load_study(study_name=name, storage=get_storage(db["url"]))
+    study.set_user_attr(keys.FINGERPRINT, {**study.user_attrs[keys.FINGERPRINT], "cpu": "Node CPU 9000"})
+    with TestClient(create_app(Settings(database_url=db["url"], public_reads=True))) as client:
+        without = _get(client, f"/ui/api/jobs/{job}/plan")
+        assert without["available"] and "CPU priors from this server's" in without["basis"]
+        study.set_user_attr(keys.DEVICE_PRIORS, measured.to_dict())
+        plan = _get(client, f"/ui/api/jobs/{job}/plan")
+    assert plan["available"] and "CPU priors as the study's Node CPU 9000 measured them" in plan["basis"]
+    assert [r["tokens_per_s"] for r in plan["rows"]] != [r["tokens_per_s"] for r in without["rows"]]

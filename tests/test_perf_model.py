@@ -37,7 +37,7 @@ from tuner.executors.base import Executor
 from tuner.perf.fitting import fit
 from tuner.perf.model import COEF_NAMES, features, predict_log, prior
 from tuner.perf.plan import make_plan
-from tuner.perf.priors import DevicePriors
+from tuner.perf.priors import DevicePriors, recorded_priors
 from tuner.perf.sampler import MIN_P_FIT
 from tuner.perf.workload import stage_shares, step_work
 from tuner.recipe import recipe_from_dict
@@ -341,6 +341,20 @@ def test_model_sampler_runs_only_feasible_unpruned_untried_configs(tmp_path, pri
     best = max(true_tokens_per_s(recipe, space_configs(recipe)))
     found = max(t.value for t in study.trials if t.state == TrialState.COMPLETE)
     assert found >= 0.9 * best
+    # The study keeps the priors its model started from, for a plan made on another machine.
+    assert recorded_priors(study.user_attrs[keys.DEVICE_PRIORS], "cpu") == PRIORS
+
+
+def test_recorded_priors_read_back_as_written_and_anything_else_is_not_used():
+    stored = json.loads(json.dumps(PRIORS.to_dict()))  # as a study attribute holds them
+    assert recorded_priors(stored, "cpu") == PRIORS
+    assert recorded_priors(stored, "cuda") is None  # another family's
+    assert recorded_priors({**stored, "peak_flops": {}}, "cpu") is None  # no fp32 peak to start from
+    assert recorded_priors({**stored, "bandwidth": "fast"}, "cpu") is None
+    assert recorded_priors({**stored, "peak_flops": {"fp32": None}}, "cpu") is None
+    assert recorded_priors({k: v for k, v in stored.items() if k != "bandwidth"}, "cpu") is None
+    assert recorded_priors({**stored, "a_later_field": 1}, "cpu") == PRIORS  # a newer version's extra
+    assert recorded_priors("garbage", "cpu") is None and recorded_priors(None, "cpu") is None
 
 
 class ScrambledExecutor(SyntheticExecutor):
@@ -633,6 +647,9 @@ class ElsewhereExecutor(SyntheticExecutor):
         fp = {**fingerprint("cpu", CPU), "cpu": "A node's CPU", "cpu_model": "node-1"}
         return Described("cpu", CPU, fp)
 
+    def device_priors(self, device):  # what the nodes measured of themselves: faster matmuls
+        return dataclasses.replace(PRIORS, peak_flops={k: 3 * v for k, v in PRIORS.peak_flops.items()})
+
 
 def test_rest_plan_is_for_the_devices_the_services_jobs_ran_on(tmp_path, priors):
     """A service whose workers run on other machines (Ray nodes) plans for those: fitted to the
@@ -661,6 +678,9 @@ def test_rest_plan_is_for_the_devices_the_services_jobs_ran_on(tmp_path, priors)
         after = client.post("/v1/plans?top=3", json=tiny())
         assert after.status_code == 200, after.text
         assert after.json()["observations"] == len(ex.ran) >= 4 and "job 1 ran on" in after.json()["basis"]
+        # Its priors are the ones the nodes measured (the study recorded them), not this server's.
+        assert "CPU priors as the study's A node's CPU measured them" in after.json()["basis"]
+        assert "this server's" not in after.json()["basis"]
         cuda = {**tiny(), "hardware": {"device": "cuda", "devices": 8}}
         cuda["search"] = {"space": "cuda"}
         r = client.post("/v1/plans?top=3", json=cuda)

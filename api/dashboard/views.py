@@ -17,6 +17,7 @@ from api.routes.studies import latest_build, study_verdict
 from api.schemas import JobPublic
 from api.trials import winner
 from tuner.db import Build, Job
+from tuner.record import keys
 from tuner.record.reader import StudyRecord, with_all_attrs
 from tuner.record.status import RUNNING
 from tuner.record.winner import Verdict
@@ -127,7 +128,10 @@ def plan(study: StudyRecord | None, job: Job | None = None) -> FiniteJSONRespons
             cached = study.derived.get("plan")
             if cached is None:
                 recipe = study.recipe or (job.recipe if job is not None else None) or {}
-                made = study_plan(recipe, study.fingerprint, study.trials, study.ranking())
+                made = study_plan(
+                    recipe, study.fingerprint, study.trials, study.ranking(),
+                    priors_attr=study.user_attrs.get(keys.DEVICE_PRIORS),
+                )  # fmt: skip
                 cached = study.derived.setdefault("plan", made.to_dict())
     return FiniteJSONResponse(cached)
 

@@ -5,8 +5,10 @@ kernel-ish unit."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tuner.devices import DeviceInfo, peak_tflops
 
@@ -84,6 +86,11 @@ class DevicePriors:
     # ones. Not fitted: no trial here has offloaded (CPU has nothing to offload to).
     host_link: tuple[float, float] = (20e9, 10e9)
 
+    def to_dict(self) -> dict[str, Any]:
+        """For a study attribute (`keys.DEVICE_PRIORS`): what the devices a study ran on measured
+        of themselves, which a server elsewhere cannot measure (`recorded_priors` reads it)."""
+        return dataclasses.asdict(self)
+
     def peak(self, dtype: str, ranks: int = 1) -> float:
         """FLOP/s of one rank: a device, or on CPU its share of the cores (as the ranks set it)."""
         one = self.peak_flops.get(dtype) or self.peak_flops["fp32"]
@@ -145,3 +152,28 @@ def device_priors(device: DeviceInfo) -> DevicePriors:
         log_autocast=CPU_LOG_AUTOCAST if device.family == "cpu" else 0.0,
         autocast_max=CPU_AUTOCAST_MAX_OVER_FP32 if device.family == "cpu" else 0.0,
     )
+
+
+def recorded_priors(value: Any, family: str) -> DevicePriors | None:
+    """`DevicePriors.to_dict` read back from a study attribute; None when it is absent, of another
+    family, or not one this version can read (missing fields, or numbers that are not: the caller
+    falls back to its own machine's priors, as before the attribute existed)."""
+    if not isinstance(value, dict) or value.get("family") != family:
+        return None
+    fields = {f.name for f in dataclasses.fields(DevicePriors)}
+    kept = {k: v for k, v in value.items() if k in fields}
+    peaks, link = kept.get("peak_flops"), kept.get("host_link", (20e9, 10e9))
+    numbers = [v for k, v in kept.items() if k not in ("family", "peak_flops", "host_link")]
+    if not isinstance(peaks, dict) or not isinstance(link, list | tuple) or len(link) != 2:
+        return None
+    if not all(_finite(v) for v in (*numbers, *peaks.values(), *link)) or not _finite(peaks.get("fp32"), 0):
+        return None
+    try:
+        return DevicePriors(**{**kept, "host_link": tuple(link)})
+    except TypeError:  # a field this version needs is missing
+        return None
+
+
+def _finite(v: Any, above: float | None = None) -> bool:
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    return ok and (above is None or v > above)

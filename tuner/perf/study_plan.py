@@ -22,6 +22,7 @@ from tuner.devices import (
 )
 from tuner.perf.observations import observation
 from tuner.perf.plan import Plan, PlanError, PlanOrder, make_plan, ranked_plan
+from tuner.perf.priors import DevicePriors, recorded_priors
 from tuner.recipe import Recipe, RecipeError, recipe_from_dict
 from tuner.record import keys
 from tuner.record.ranking import Ranked, Ranking
@@ -77,27 +78,37 @@ def unavailable(reason: str) -> StudyPlan:
     return StudyPlan(False, reason, "", 0, 0, 0, 0, [], None, 0.0)
 
 
-def plan_device(fingerprint: dict[str, Any]) -> tuple[DeviceInfo | None, str]:
-    """The device the study ran on, as far as this machine can describe it, and a note when the
-    description is borrowed (None and the reason when it cannot)."""
+def plan_device(
+    fingerprint: dict[str, Any], recorded: Any = None
+) -> tuple[DeviceInfo | None, DevicePriors | None, str]:
+    """The device the study ran on, as far as this machine can describe it, the priors to start
+    from (`recorded`, the study's `keys.DEVICE_PRIORS`, where it kept what its devices measured of
+    themselves; None: the device's own here), and a note when the description or the priors are
+    borrowed (no device, no priors and the reason when it cannot be described)."""
     family, name = fingerprint.get("family"), str(fingerprint.get("device") or "")
     count = fingerprint.get("device_count")
+    priors = recorded_priors(recorded, str(family))
     if family == "cpu":
         here = describe("cpu")
-        note = (
-            ""
-            if same_cpu(fingerprint, here)
-            else f"; CPU priors from this server's {here.name} ({cpu_model_id()})"
-        )
-        return dataclasses.replace(here, count=int(count or here.count)), note
+        device = dataclasses.replace(here, count=int(count or here.count))
+        if same_cpu(fingerprint, here):
+            return device, priors, ""
+        if priors is not None:
+            return (
+                device,
+                priors,
+                f"; CPU priors as the study's {fingerprint.get('cpu') or 'CPU'} measured them",
+            )
+        return device, None, f"; CPU priors from this server's {here.name} ({cpu_model_id()})"
     if family in ("cuda", "npu"):
         if family in available_families() and describe(family).name == name:
             here = describe(family)
-            return dataclasses.replace(here, count=int(count or here.count)), ""
+            return dataclasses.replace(here, count=int(count or here.count)), priors, ""
         for key, entry in CATALOG.items():
             if entry.family == family and (entry.name == name or key in name):
-                return known_device(key, int(count or 8)), f"; {name} described from the device catalogue"
-    return None, f"the study ran on {name or 'an unrecorded device'}, which this server cannot describe"
+                note = f"; {name} described from the device catalogue"
+                return known_device(key, int(count or 8)), priors, note
+    return None, None, f"the study ran on {name or 'an unrecorded device'}, which this server cannot describe"
 
 
 WHERE_JOBS_RAN = "the devices this service's jobs ran on"
@@ -118,13 +129,21 @@ def service_plan(recipe: Recipe, storage_url: str, *, devices: int | None = None
         return dataclasses.replace(
             plan, basis=f"{plan.basis}; no job of this service has run yet: this server's devices"
         )
-    families = list(dict.fromkeys(str(fp.get("family")) for _, fp in ran))
+    families = list(dict.fromkeys(str(fp.get("family")) for _, fp, _ in ran))
     family = resolve_family(recipe.hardware.device, families, WHERE_JOBS_RAN)
-    job, fp = next((j, fp) for j, fp in ran if fp.get("family") == family)
-    device, note = plan_device(fp)
+    job, fp, recorded = next(r for r in ran if r[1].get("family") == family)
+    device, priors, note = plan_device(fp, recorded)
     if device is None:
         raise PlanError("hardware.device", note)
-    plan = make_plan(recipe, devices=devices, top=top, storage_url=storage_url, device=device, fingerprint=fp)
+    plan = make_plan(
+        recipe,
+        devices=devices,
+        top=top,
+        storage_url=storage_url,
+        device=device,
+        priors=priors,
+        fingerprint=fp,
+    )
     # The job's own device name: a CPU node the server is not is described with the server's.
     ran_on = fp.get("device") or device.name
     return dataclasses.replace(plan, basis=f"{plan.basis}; for the {ran_on} job {job} ran on{note}")
@@ -192,9 +211,11 @@ def study_plan(
     ranking: Ranking,
     *,
     top: int = TOP,
+    priors_attr: Any = None,
 ) -> StudyPlan:
     """The plan for the study's recipe on its devices, fitted to (at most `MAX_FIT` of) its own
-    measured trials, each row with what the study measured for that config."""
+    measured trials, each row with what the study measured for that config. `priors_attr`:
+    the study's `keys.DEVICE_PRIORS`, what its devices measured of themselves."""
     started = time.perf_counter()
     if not recipe_dict:
         return unavailable("the study records no recipe to plan")
@@ -202,7 +223,7 @@ def study_plan(
         recipe = recipe_from_dict(recipe_dict)
     except (RecipeError, ValueError, TypeError):
         return unavailable("the study's recipe was written by another version of the tuner")
-    device, note = plan_device(fingerprint)
+    device, priors, note = plan_device(fingerprint, priors_attr)
     if device is None:
         return unavailable(note)
     runs = [
@@ -214,7 +235,7 @@ def study_plan(
     picked = [observation(recipe, t.params, t.attrs, again.get(t.number, ())) for t in _evenly(runs, MAX_FIT)]
     fitted = [o for o in picked if o is not None]
     try:
-        plan, order = ranked_plan(recipe, top=top, device=device, observations=fitted)
+        plan, order = ranked_plan(recipe, top=top, device=device, priors=priors, observations=fitted)
     except (PlanError, ValueError) as err:
         return unavailable(f"cannot plan this study's recipe: {err}")
     winner = _winner(trials, ranking)

@@ -107,6 +107,9 @@ RECIPE = "recipe"
 RECIPE_HASH = "recipe_hash"
 FINGERPRINT = "fingerprint"
 FINGERPRINT_HASH = "fingerprint_hash"
+# The performance model's priors for the devices the study ran on, as they measured themselves
+# (`tuner.perf.priors.DevicePriors.to_dict`): a plan made elsewhere (the API host) starts from them.
+DEVICE_PRIORS = "device_priors"
 SPACE = "space"
 OBJECTIVE = "objective"
 REMEASURED_PREFIX = (

@@ -125,11 +125,13 @@ def trial_counts_and_durations(session: Session) -> tuple[dict[str, int], list[f
     return counts, durations
 
 
-def job_fingerprints(session: Session, limit: int = 50) -> list[tuple[int, dict[str, Any]]]:
-    """(job id, fingerprint) of the newest job of each of the service's newest studies (at most
-    `limit` studies) whose study records one, newest first, one per fingerprint: the devices the
-    service's workers ran on (a Ray cluster's nodes, or the workers' own machines), which the API
-    host need not have. Counted by study, so a nightly re-running one recipe takes one place."""
+def job_fingerprints(session: Session, limit: int = 50) -> list[tuple[int, dict[str, Any], Any]]:
+    """(job id, fingerprint, recorded device priors or None) of the newest job of each of the
+    service's newest studies (at most `limit` studies) whose study records a fingerprint, newest
+    first, one per fingerprint: the devices the service's workers ran on (a Ray cluster's nodes, or
+    the workers' own machines), which the API host need not have, and what those devices measured
+    of themselves (`keys.DEVICE_PRIORS`). Counted by study, so a nightly re-running one recipe takes
+    one place."""
     from tuner.db import Job
 
     newest = func.max(Job.id)
@@ -143,19 +145,22 @@ def job_fingerprints(session: Session, limit: int = 50) -> list[tuple[int, dict[
     if not rows or not has_studies(session):
         return []
     stmt = (
-        select(studies_t.c.study_name, study_attrs_t.c.value_json)
+        select(studies_t.c.study_name, study_attrs_t.c.key, study_attrs_t.c.value_json)
         .join(study_attrs_t, study_attrs_t.c.study_id == studies_t.c.study_id)
         .where(
-            studies_t.c.study_name.in_({name for _, name in rows}), study_attrs_t.c.key == keys.FINGERPRINT
+            studies_t.c.study_name.in_({name for _, name in rows}),
+            study_attrs_t.c.key.in_((keys.FINGERPRINT, keys.DEVICE_PRIORS)),
         )
     )
     from tuner.fingerprint import fingerprint_hash
 
-    fps = {name: parse_attr(value) for name, value in session.execute(stmt)}
+    attrs: dict[str, dict[str, Any]] = {}
+    for name, key, value in session.execute(stmt):
+        attrs.setdefault(name, {})[key] = parse_attr(value)
     out, seen = [], set()
     for job_id, name in rows:
-        fp = fps.get(name)
+        fp = attrs.get(name, {}).get(keys.FINGERPRINT)
         if isinstance(fp, dict) and (key := fingerprint_hash(fp)) not in seen:
             seen.add(key)
-            out.append((job_id, fp))
+            out.append((job_id, fp, attrs[name].get(keys.DEVICE_PRIORS)))
     return out

@@ -21,6 +21,7 @@ from tuner.estimate import reserved_ratio_prior
 from tuner.executors.base import Executor
 from tuner.fingerprint import fingerprint_hash
 from tuner.perf.observations import fingerprint_observations
+from tuner.perf.sampler import ModelSampler
 from tuner.prune import OomFloor, oom_floor, study_calibration, verdict
 from tuner.recipe import Recipe
 from tuner.record import keys
@@ -95,6 +96,7 @@ class Driver:
         self.done = 0
         self.measured: dict[str, int] = {}
         self.calibration = reserved_ratio_prior(self.device.family)
+        self.priors = None  # the performance model's, once `open` knows them
         self.floor = OomFloor()  # what ran out of memory bounds the configs estimated larger
         self.best: float | None = None
         self.run_noise: float | None = None  # the ranking's run-to-run noise, with self.best
@@ -118,6 +120,8 @@ class Driver:
         context = SamplerContext(self.recipe, self.space, self.device, history, priors)
         # Offset the seed by the trials so far so a resumed random/grid search does not replay itself.
         sampler = make_sampler(self.budget.sampler, self.budget.seed + n_before, self.multi, context)
+        # Recorded with the study: the executor's, or what the model sampler started from here.
+        self.priors = priors or (sampler.predictor.priors if isinstance(sampler, ModelSampler) else None)
         self.study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
         if keys.RECIPE not in self.study.user_attrs:
             self._first_open()
@@ -133,6 +137,7 @@ class Driver:
             keys.FINGERPRINT_HASH: fingerprint_hash(self.fp),
             keys.SPACE: self.space.name,
             keys.OBJECTIVE: self.recipe.search.objective,
+            **({keys.DEVICE_PRIORS: self.priors.to_dict()} if self.priors is not None else {}),
         }.items():
             self.study.set_user_attr(key, value)
         base = baseline_config(self.recipe, self.device, self.space)
