@@ -131,6 +131,26 @@ def test_jobs_of_dead_workers_are_requeued_or_failed_after_max_attempts(db_url):
         assert s.get(Job, retry).attempts == 2
 
 
+def test_a_cancelled_job_whose_worker_died_ends_cancelled_and_is_never_run_again(db_url):
+    """The user was told 202 for the cancel: a dead worker must not hand the job to another."""
+    dead = f"{socket.gethostname()}:{_dead_pid()}:gone"
+    first, last = (
+        _queue(db_url, state="running", worker_id=dead, attempts=1, cancel_requested=True)[0],
+        _queue(db_url, state="running", worker_id=dead, attempts=3, cancel_requested=True)[0],
+    )
+    assert dict(recover_jobs(db_url, stale_after_s=30, max_attempts=3)) == {
+        first: "cancelled",
+        last: "cancelled",
+    }
+    with session_scope(db_url) as s:
+        for job_id in (first, last):
+            job = s.get(Job, job_id)
+            assert job.state == "cancelled" and job.finished_at is not None and job.error is None
+    done = _events(db_url, first)[-1]
+    assert done.kind == "done" and done.payload["state"] == "cancelled" and "died" in done.payload["reason"]
+    assert claim_job(db_url, f"{socket.gethostname()}:{os.getpid()}:me") is None
+
+
 def test_workers_recovering_at_once_move_a_dead_workers_job_once(db_url):
     job_id = _queue(
         db_url, state="running", worker_id=f"{socket.gethostname()}:{_dead_pid()}:gone", attempts=1

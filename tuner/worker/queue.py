@@ -42,17 +42,24 @@ def recover_jobs(
     url: str | None = None, *, stale_after_s: float = STALE_AFTER_S, max_attempts: int = MAX_ATTEMPTS
 ) -> list[tuple[int, str]]:
     """Re-queue running jobs whose worker died (their study resumes under the same name), or fail
-    them after `max_attempts`. Returns [(job id, new state)]."""
+    them after `max_attempts`; one whose cancel was asked for ends cancelled, as its worker would
+    have ended it (never queued again). Returns [(job id, new state)]."""
     changed = []
     with session_scope(url) as s:
         now = utcnow()
         running = s.execute(
-            select(Job.id, Job.worker_id, Job.updated_at, Job.attempts).where(Job.state == "running")
+            select(Job.id, Job.worker_id, Job.updated_at, Job.attempts, Job.cancel_requested).where(
+                Job.state == "running"
+            )
         )
-        for job_id, worker_id, heartbeat, attempts in running.all():
+        for job_id, worker_id, heartbeat, attempts, cancel in running.all():
             if not worker_is_dead(worker_id, heartbeat, now, stale_after_s):
                 continue
-            if attempts >= max_attempts:
+            if cancel:
+                reason = f"cancelled; its worker {worker_id} died before it stopped"
+                values = {"state": "cancelled", "finished_at": now}
+                event = ("done", {"state": "cancelled", "reason": reason})
+            elif attempts >= max_attempts:
                 error = f"its worker died {attempts} times while running it (limit {max_attempts}); giving up"
                 values = {"state": "failed", "finished_at": now, "error": error}
                 event = ("done", {"state": "failed", "error": error})
