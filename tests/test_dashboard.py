@@ -362,6 +362,48 @@ def test_recipe_history_marks_regressions_and_what_changed(client, db):
     assert data["nights"][2]["changes"] == []
 
 
+def test_a_regression_after_a_failed_night_names_what_changed_since_the_night_it_was_judged_by(client, db):
+    """Night 2 failed (no fingerprint measured); night 3 regressed against night 1 on the same
+    machine: the history shows nothing changed, as the report said, not night 2's empty record."""
+    from tuner import nightly as nl
+    from tuner.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(
+        {
+            "name": "nightly-failed-between",
+            "model": {"layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256},
+        }
+    )
+    fp = {"family": "cpu", "device": "cpu-a", "torch": "2.13.0"}
+
+    def tonight(best):
+        def tune(recipe, enqueue, run):
+            if best is None:
+                raise RuntimeError("ray cluster unreachable")
+            return nl.Tonight(best, {"micro_batch_size": 4}, fp, "fp-a")
+
+        return tune
+
+    outs = [
+        nl.run_recipe(
+            recipe,
+            "r.yaml",
+            night=dt.date(2026, 11, d),
+            threshold=0.05,
+            tune=tonight(best),
+            expected_fingerprint_hash="fp-a",
+            db_url=db["url"],
+        )  # fmt: skip
+        for d, best in ((1, 1000.0), (2, None), (3, 800.0))
+    ]
+    assert [o.verdict for o in outs] == ["first_run", "failed", "regression"] and not outs[
+        2
+    ].fingerprint_changed
+    night3 = _get(client, db, "/ui/api/recipes/nightly-failed-between/history")["nights"][2]
+    assert night3["regression"] and night3["compared_night"] == "2026-11-01"
+    assert night3["changes"] == [] and night3["suspects"] == []
+
+
 PLOTLY_SHA256 = "99784e3abfb07b142a15e521a439e6d9addceadb3f79553fd24c72774f0649ba"
 
 

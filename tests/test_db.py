@@ -58,6 +58,16 @@ def test_upgrade_creates_service_tables_and_is_idempotent(db_url):
     assert is_current(db_url)
 
 
+def test_the_migrations_build_every_column_the_code_reads(db_url):
+    """A column added to `tuner.db` without a migration would fail on every upgraded database."""
+    from tuner.db import Base
+
+    upgrade(db_url)
+    found = inspect(get_engine(db_url))
+    for table in Base.metadata.sorted_tables:
+        assert {c["name"] for c in found.get_columns(table.name)} == set(table.columns.keys()), table.name
+
+
 def test_upgrade_from_the_first_revision_keeps_the_jobs(db_url):
     upgrade(db_url, "0001")
     with get_engine(db_url).begin() as conn:

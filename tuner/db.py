@@ -128,6 +128,16 @@ class NightlyResult(Base):
     config: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     study_name: Mapped[str | None] = mapped_column(String(512))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    # Relative half-width of the best's 95% interval (`Ranked.ci`): the noise the next night's
+    # verdict allows for. None: not measured with intervals (older rows, or a failed night).
+    best_ci: Mapped[float | None] = mapped_column(Float)
+    # `Recipe.hash()` (name and budget excluded): a night is compared only with nights of the same
+    # recipe. None: recorded before the hash was (compared, as then).
+    recipe_hash: Mapped[str | None] = mapped_column(String(64))
+    # The night this one was compared with and what differed in the fingerprint between the two
+    # ({key: [before, after]}), as the report said them.
+    compared_night: Mapped[dt.date | None]
+    fingerprint_changes: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class StudySnapshot(Base):

@@ -29,7 +29,12 @@ def recipe_history(session: Session, recipe_name: str) -> dict[str, Any]:
     rows.reverse()
     nights, previous = [], None
     for row in rows:
-        changes = _changes(previous.fingerprint if previous else None, row.fingerprint or {})
+        if row.fingerprint_changes is not None:  # what the report said, against the night it compared
+            changes = [
+                {"key": k, "before": a, "after": b} for k, (a, b) in _watched_first(row.fingerprint_changes)
+            ]
+        else:  # rows from before that was recorded: against the last night that measured a best
+            changes = _changes(previous.fingerprint if previous else None, row.fingerprint or {})
         regression = row.verdict == "regression"
         nights.append(
             {
@@ -45,14 +50,21 @@ def recipe_history(session: Session, recipe_name: str) -> dict[str, Any]:
                 "suspects": [c["key"] for c in changes] if regression else [],
                 "study_name": row.study_name,
                 "config": row.config,
+                "compared_night": row.compared_night.isoformat() if row.compared_night else None,
             }
         )
-        previous = row
+        if row.best_tokens_per_s is not None and row.fingerprint:  # a failed night measured nothing
+            previous = row
     return {
         "recipe_name": recipe_name,
         "nights": nights,
         "regressions": sum(1 for n in nights if n["regression"]),
     }
+
+
+def _watched_first(changes: dict[str, Any]) -> list[tuple[str, tuple[Any, Any]]]:
+    order = [k for k in WATCHED if k in changes] + sorted(set(changes) - set(WATCHED))
+    return [(k, tuple(changes[k])) for k in order]
 
 
 def _changes(before: dict[str, Any] | None, after: dict[str, Any]) -> list[dict[str, Any]]:

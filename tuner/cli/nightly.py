@@ -69,7 +69,7 @@ def nightly(
         "5%",
         "--fail-on-regression",
         metavar="PCT",
-        help="Exit 1 when a recipe's best tokens/s dropped by more than this: '5%' or '0.05'.",
+        help="Exit 1 when a recipe's best tokens/s dropped by more than this (or than the two nights' measurement noise, where wider): '5%' or '0.05'.",
     ),
     report: Path = typer.Option(
         Path("nightly-reports"),

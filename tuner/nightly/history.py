@@ -35,6 +35,7 @@ class Previous:
     fingerprint_hash: str
     study_name: str | None
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    best_ci: float | None = None
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Tonight:
     warm_started: int = 0
     job_id: int | None = None
     error: str | None = None
+    best_ci: float | None = None  # relative half-width of the best's 95% interval (`Ranked.ci`)
 
 
 @dataclass
@@ -82,26 +84,50 @@ class Outcome:
     trials: int = 0
     warm_started: int = 0
     error: str | None = None
+    recipe_hash: str | None = None
+    best_ci: float | None = None
+    previous_best_ci: float | None = None
+    # The band (percent) a change had to leave to count: the threshold, or the two nights'
+    # measurement noise where that is wider (`judge`).
+    band_pct: float | None = None
+    # The latest earlier night of a recipe by this name whose recipe differed: not compared with.
+    recipe_changed_since: dt.date | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for key in ("night", "previous_night"):
+        for key in ("night", "previous_night", "recipe_changed_since"):
             d[key] = d[key].isoformat() if d[key] else None
         return d
 
 
-def judge(new: float | None, previous: float | None, threshold: float) -> tuple[str, float | None]:
-    """(verdict, change in percent). Changes within +-threshold are noise: unchanged."""
+def judge(
+    new: float | None, previous: float | None, threshold: float, noise_pct: float | None = None
+) -> tuple[str, float | None]:
+    """(verdict, change in percent). A change inside the band is unchanged: +-threshold, or the
+    two nights' measurement noise (`noise_band`) where that is wider, so a machine whose runs
+    differ by more than the threshold does not raise a regression on a night nothing changed."""
     if new is None:
         return FAILED, None
     if previous is None:
         return FIRST_RUN, None
     change = (new - previous) / previous * 100
-    if change < -threshold * 100:
+    band = max(threshold * 100, noise_pct or 0.0)
+    if change < -band:
         return REGRESSED, change
-    if change > threshold * 100:
+    if change > band:
         return IMPROVED, change
     return UNCHANGED, change
+
+
+def noise_band(new: float | None, new_ci: float | None, previous: Previous | None) -> float | None:
+    """The 95% interval of tonight's best minus the compared night's, in percent of the latter
+    (`ranking.difference_half_width`, the tie rule's); None when either night has no interval."""
+    if new is None or new_ci is None or previous is None or previous.best_ci is None:
+        return None
+    from tuner.record.ranking import difference_half_width
+
+    width = difference_half_width(new, new_ci, previous.best_tokens_per_s, previous.best_ci)
+    return width / previous.best_tokens_per_s * 100
 
 
 def run_tag(night: dt.date, run: int = 1) -> str:
@@ -153,10 +179,40 @@ def tonight_run(recipe_name: str, night: dt.date, url: str | None) -> int:
 
 
 def find_previous(
-    recipe_name: str, night: dt.date, fingerprint_hash: str, url: str | None
+    recipe_name: str, night: dt.date, fingerprint_hash: str, url: str | None, recipe_hash: str | None = None
 ) -> Previous | None:
     """The latest earlier night with a measured best, preferring the same fingerprint; a different
-    fingerprint is only used when this one has no history (the report then says so)."""
+    fingerprint is only used when this one has no history (the report then says so). With
+    `recipe_hash`, nights of an edited recipe (another hash under the same name) are not compared
+    with; rows recorded before the hash was are."""
+    rows = [r for r in _earlier(recipe_name, night, url) if r.best_tokens_per_s is not None]
+    rows = [r for r in rows if recipe_hash is None or r.recipe_hash in (None, recipe_hash)]
+    same = [r for r in rows if r.fingerprint_hash == fingerprint_hash]
+    row = (same or rows or [None])[0]
+    if row is None:
+        return None
+    return Previous(
+        row.night,
+        row.best_tokens_per_s,
+        row.config,
+        row.fingerprint_hash,
+        row.study_name,
+        row.fingerprint or {},
+        row.best_ci,
+    )
+
+
+def recipe_changed_since(
+    recipe_name: str, night: dt.date, recipe_hash: str, url: str | None
+) -> dt.date | None:
+    """The latest earlier night of `recipe_name` recorded for another recipe (edited since)."""
+    return next(
+        (r.night for r in _earlier(recipe_name, night, url) if r.recipe_hash not in (None, recipe_hash)), None
+    )
+
+
+def _earlier(recipe_name: str, night: dt.date, url: str | None) -> list[Any]:
+    """The recipe's rows before `night`, newest first (detached: plain attribute reads)."""
     from sqlalchemy import select
 
     from tuner.db import NightlyResult, session_scope
@@ -165,21 +221,10 @@ def find_previous(
         rows = session.scalars(
             select(NightlyResult)
             .where(NightlyResult.recipe_name == recipe_name, NightlyResult.night < night)
-            .where(NightlyResult.best_tokens_per_s.is_not(None))
             .order_by(NightlyResult.night.desc())
         ).all()
-        same = [r for r in rows if r.fingerprint_hash == fingerprint_hash]
-        row = (same or rows or [None])[0]
-        if row is None:
-            return None
-        return Previous(
-            row.night,
-            row.best_tokens_per_s,
-            row.config,
-            row.fingerprint_hash,
-            row.study_name,
-            row.fingerprint or {},
-        )
+        session.expunge_all()
+        return list(rows)
 
 
 def record(outcome: Outcome, url: str | None) -> None:
@@ -197,6 +242,10 @@ def record(outcome: Outcome, url: str | None) -> None:
         "verdict": outcome.verdict,
         "config": outcome.config,
         "study_name": outcome.study_name,
+        "best_ci": outcome.best_ci,
+        "recipe_hash": outcome.recipe_hash,
+        "compared_night": outcome.previous_night,
+        "fingerprint_changes": outcome.fingerprint_changes if outcome.previous_night else None,
     }
     with session_scope(url) as session:
         row = session.scalar(
@@ -279,7 +328,8 @@ def run_recipe(
     `expected_fingerprint_hash` picks the warm start when the history holds several fingerprints;
     the comparison uses the fingerprint tonight's trials actually ran on.
     """
-    warm_from = find_previous(recipe.name, night, expected_fingerprint_hash or "", db_url)
+    recipe_hash = recipe.hash()
+    warm_from = find_previous(recipe.name, night, expected_fingerprint_hash or "", db_url, recipe_hash)
     enqueue = previous_night_configs(warm_from, db_url, top_k)
     run = tonight_run(recipe.name, night, db_url)
     try:
@@ -291,9 +341,10 @@ def run_recipe(
         # by its kind.
         said = str(err) if isinstance(err, PreflightError) else f"{type(err).__name__}: {err}"
         tonight = Tonight(None, None, {}, expected_fingerprint_hash or "", error=said)
-    previous = find_previous(recipe.name, night, tonight.fingerprint_hash, db_url)
+    previous = find_previous(recipe.name, night, tonight.fingerprint_hash, db_url, recipe_hash)
+    noise = noise_band(tonight.best_tokens_per_s, tonight.best_ci, previous)
     verdict, change = judge(
-        tonight.best_tokens_per_s, previous.best_tokens_per_s if previous else None, threshold
+        tonight.best_tokens_per_s, previous.best_tokens_per_s if previous else None, threshold, noise
     )
     outcome = Outcome(
         recipe=recipe.name,
@@ -312,8 +363,14 @@ def run_recipe(
         trials=tonight.trials,
         warm_started=tonight.warm_started,
         error=tonight.error,
+        recipe_hash=recipe_hash,
+        best_ci=tonight.best_ci,
+        band_pct=max(threshold * 100, noise or 0.0) if previous is not None else None,
     )
-    if previous is not None:
+    if previous is None:
+        outcome.recipe_changed_since = recipe_changed_since(recipe.name, night, recipe_hash, db_url)
+    else:
+        outcome.previous_best_ci = previous.best_ci
         outcome.previous_night = previous.night
         outcome.previous_best_tokens_per_s = previous.best_tokens_per_s
         outcome.previous_config = previous.config

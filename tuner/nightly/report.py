@@ -26,7 +26,8 @@ def render_markdown(outcomes: list[Outcome], night: dt.date, threshold: float) -
         f"# Nightly tuning report, {night.isoformat()}",
         "",
         f"{len(outcomes)} recipe{'' if len(outcomes) == 1 else 's'}: {summary}. Exit code {exit_code(outcomes)}: a drop of more than "
-        f"{threshold * 100:g}% in the best tokens/s, or a failed recipe, fails the run.",
+        f"{threshold * 100:g}% in the best tokens/s (or more than the two nights' measurement noise, where "
+        "that is wider: the change column's band), or a failed recipe, fails the run.",
         "",
         "| recipe | verdict | previous best tokens/s | new best tokens/s | change "
         "| previous best config, re-measured tonight | fingerprint |",
@@ -40,36 +41,58 @@ def render_markdown(outcomes: list[Outcome], night: dt.date, threshold: float) -
         if o.previous_night:
             prev += f" ({o.previous_night.isoformat()})"
         fp = f"changed ({o.fingerprint_hash})" if o.fingerprint_changed else (o.fingerprint_hash or "—")
+        change = _pct(o.change_pct)
+        if o.change_pct is not None and o.band_pct is not None:
+            change += f" (band ±{o.band_pct:.1f}%)"
         lines.append(
-            f"| {o.recipe} | {verdict} | {prev} | {_rate(o.best_tokens_per_s)} | {_pct(o.change_pct)} "
+            f"| {o.recipe} | {verdict} | {prev} | {_rate(o.best_tokens_per_s)} | {change} "
             f"| {_rate(o.remeasured_previous_tokens_per_s)} | {fp} |"
         )
     for o in outcomes:
-        lines += ["", f"## {o.recipe}: {o.verdict.replace('_', ' ')}", ""]
-        where = f"job {o.job_id}, " if o.job_id is not None else ""
-        rerun = f"re-run {o.run} of this night (it replaces the earlier result), " if o.run > 1 else ""
-        lines.append(
-            f"Recipe `{o.source}`; {rerun}{where}study `{o.study_name or '—'}`; {o.trials} trials, "
-            f"{o.warm_started} of them warm-started from the previous best configs."
-        )
-        if o.error:
-            lines += ["", f"Error: `{o.error}`"]
-        if o.fingerprint_changed:
-            changes = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in o.fingerprint_changes.items())
-            lines += [
-                "",
-                f"The hardware/software fingerprint changed since {o.previous_night} "
-                f"({o.previous_fingerprint_hash} -> {o.fingerprint_hash}; {changes or 'details unknown'}); "
-                "compared anyway.",
-            ]
-        if o.config or o.previous_config:
-            lines += ["", "| knob | previous best | new best |", "| --- | --- | --- |"]
-            prev_cfg, new_cfg = o.previous_config or {}, o.config or {}
-            for knob in dict.fromkeys([*prev_cfg, *new_cfg]):
-                a, b = prev_cfg.get(knob, "—"), new_cfg.get(knob, "—")
-                mark = "**" if prev_cfg and new_cfg and a != b else ""  # what changed since last night
-                lines.append(f"| {knob} | {a} | {mark}{b}{mark} |")
+        lines += _section(o, threshold)
     return "\n".join(lines) + "\n"
+
+
+def _section(o: Outcome, threshold: float) -> list[str]:
+    """One recipe's part of the report: what ran, why the verdict, both configs side by side."""
+    lines = ["", f"## {o.recipe}: {o.verdict.replace('_', ' ')}", ""]
+    where = f"job {o.job_id}, " if o.job_id is not None else ""
+    rerun = f"re-run {o.run} of this night (it replaces the earlier result), " if o.run > 1 else ""
+    lines.append(
+        f"Recipe `{o.source}`; {rerun}{where}study `{o.study_name or '—'}`; {o.trials} trials, "
+        f"{o.warm_started} of them warm-started from the previous best configs."
+    )
+    if o.error:
+        lines += ["", f"Error: `{o.error}`"]
+    if o.band_pct is not None and o.band_pct > threshold * 100 and o.change_pct is not None:
+        lines += [
+            "",
+            f"The two nights' bests are measured to ±{(o.best_ci or 0) * 100:.1f}% and "
+            f"±{(o.previous_best_ci or 0) * 100:.1f}% (95% intervals), so a change counts beyond "
+            f"±{o.band_pct:.1f}%, not ±{threshold * 100:g}%.",
+        ]
+    if o.recipe_changed_since:
+        lines += [
+            "",
+            f"The recipe changed since {o.recipe_changed_since.isoformat()} (another recipe under this "
+            "name): tonight starts its history, not compared with those nights.",
+        ]
+    if o.fingerprint_changed:
+        changes = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in o.fingerprint_changes.items())
+        lines += [
+            "",
+            f"The hardware/software fingerprint changed since {o.previous_night} "
+            f"({o.previous_fingerprint_hash} -> {o.fingerprint_hash}; {changes or 'details unknown'}); "
+            "compared anyway.",
+        ]
+    if o.config or o.previous_config:
+        lines += ["", "| knob | previous best | new best |", "| --- | --- | --- |"]
+        prev_cfg, new_cfg = o.previous_config or {}, o.config or {}
+        for knob in dict.fromkeys([*prev_cfg, *new_cfg]):
+            a, b = prev_cfg.get(knob, "—"), new_cfg.get(knob, "—")
+            mark = "**" if prev_cfg and new_cfg and a != b else ""  # what changed since last night
+            lines.append(f"| {knob} | {a} | {mark}{b}{mark} |")
+    return lines
 
 
 def write_report(

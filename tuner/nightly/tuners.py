@@ -71,6 +71,7 @@ def local_tuner(
         return Tonight(
             best_tokens_per_s=best.tokens_per_s if best else None,
             config=best.config if best else None,
+            best_ci=best.ci if best else None,
             fingerprint=fp,
             fingerprint_hash=fingerprint_hash(fp),
             study_name=summary.study_name,
@@ -187,6 +188,7 @@ def api_tuner(
                 return tonight
             best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")
             tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
+            tonight.best_ci = best.get("interval")
             if enqueue:
                 ok = _call(client, "GET", f"/v1/jobs/{job['id']}/trials", params={"status": OK, "limit": 500})
                 tonight.remeasured_previous_tokens_per_s = _tokens_of(enqueue[0], ok["items"])

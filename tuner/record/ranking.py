@@ -161,7 +161,7 @@ class Ranking:
         if best is None:
             return False
         if best.ci is not None and entry.ci is not None:
-            spread = math.hypot(best.tokens_per_s * best.ci, entry.tokens_per_s * entry.ci)
+            spread = difference_half_width(best.tokens_per_s, best.ci, entry.tokens_per_s, entry.ci)
             return best.tokens_per_s - entry.tokens_per_s <= spread
         gap = (best.tokens_per_s - entry.tokens_per_s) / best.tokens_per_s
         return gap <= max(best.noise, entry.noise)
@@ -171,6 +171,13 @@ class Ranking:
         if self.best is None or self.baseline is None or not self.baseline.tokens_per_s:
             return None
         return self.best.tokens_per_s / self.baseline.tokens_per_s
+
+
+def difference_half_width(a: float, a_ci: float, b: float, b_ci: float) -> float:
+    """Half-width (tokens/s) of the 95% interval of the difference of two measured throughputs,
+    each with its interval's relative half-width (`Ranked.ci`): the two added in quadrature. The
+    one noise rule for "these differ": the tie rule, and the nightly verdict across nights."""
+    return math.hypot(a * a_ci, b * b_ci)
 
 
 def config_throughput(first: float | None, again: Sequence[float]) -> float:
