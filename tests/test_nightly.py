@@ -3,6 +3,7 @@ migrations), which night is compared with which, the report, and bad input (exit
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import math
@@ -254,6 +255,37 @@ def test_api_rerun_submits_a_job_of_its_own(db_url, monkeypatch):
     assert (first.job_id, again.job_id, again.run) == (1, 2, 2)
     assert again.study_name.startswith("gpt-nightly@nightly-2026-11-28-run2-")
     assert (again.best_tokens_per_s, again.verdict, again.previous_night) == (700.0, "regression", NIGHT1)
+
+
+def test_api_night_whose_job_no_worker_takes_is_cancelled_and_fails_instead_of_waiting(db_url, monkeypatch):
+    """The real service with no worker running: the cron run gives up after the recipe's time
+    limit and the grace, cancels the job, and says why, instead of waiting forever unreported."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from api import Settings, create_app
+    from api.auth import create_token
+    from tuner.db import Job, session_scope
+
+    app = create_app(Settings(database_url=db_url, max_trials=50, max_timeout_min=60, max_body_bytes=65536))
+    with session_scope(db_url) as s:
+        token = create_token(s, "nightly")
+    with TestClient(app) as service:  # no worker: `tuner serve` would start one, the app does not
+        monkeypatch.setattr(httpx, "Client", lambda base_url, headers, timeout: _bound(service, headers))
+        quick = recipe_from_dict({**RECIPE.to_dict(), "search": {"timeout_min": 0.01}})  # 0.6 s
+        tune = nl.api_tuner("http://tuner:8000", token, night=NIGHT1, trials=2, storage_url=db_url,
+                            poll_s=0.05, grace_min=0.0)  # fmt: skip
+        out = nl.run_recipe(quick, "r.yaml", night=NIGHT1, threshold=0.05, tune=tune, db_url=db_url)
+    assert out.verdict == "failed" and nl.exit_code([out]) == 1
+    assert "still queued after 0.01 min; no worker took it" in out.error and "cancelled it" in out.error
+    with session_scope(db_url) as s:
+        assert s.get(Job, out.job_id).state == "cancelled"
+
+
+def _bound(client, headers):
+    """The test client with the nightly's headers, used as `httpx.Client(...)` is (a context)."""
+    client.headers.update(headers)
+    return contextlib.nullcontext(client)
 
 
 def test_warm_start_is_last_nights_best_and_regression_fails_the_run(db_url):

@@ -140,6 +140,11 @@ def _measured(study_name: str, storage_url: str | None, configs: list[dict[str, 
     return None
 
 
+# How long past a recipe's `search.timeout_min` a service job may take (the trial in flight at the
+# time limit, re-measurement, the build, a wait in the queue) before the nightly gives up on it.
+API_GRACE_MIN = 60.0
+
+
 class ServiceError(RuntimeError):
     """The tuning service refused a request or could not be reached."""
 
@@ -153,8 +158,13 @@ def api_tuner(
     storage_url: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     poll_s: float = 2.0,
+    grace_min: float = API_GRACE_MIN,
 ) -> Tune:
     """Tune through the REST service: submit the recipe with tonight's budget, follow the job.
+
+    A job not finished `grace_min` minutes after the recipe's `search.timeout_min` (no worker took
+    it, or its worker died with none left to re-queue it) is cancelled and tonight fails saying so:
+    a cron run never waits forever, unreported.
 
     The job is named `nightly_job_name(...)`, `<recipe>@nightly-<night>` and `...-run<N>` for a
     re-run, and the service keys its study by that name, so each run's best is measured by that run
@@ -168,13 +178,22 @@ def api_tuner(
 
         import httpx
 
+        from tuner.db import FINAL_STATES
+
         doc = recipe.to_dict()
         doc["name"] = nightly_job_name(recipe, night, run)
         doc["search"]["trials"] = trials
         headers = {"Authorization": f"Bearer {token}"}
+        allowed_min = recipe.search.timeout_min + grace_min
+        deadline = time.monotonic() + allowed_min * 60
         with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=30) as client:
             job = _call(client, "POST", "/v1/jobs", json=doc)
-            while job["state"] not in ("succeeded", "failed", "cancelled"):
+            late = None
+            while job["state"] not in FINAL_STATES:
+                if time.monotonic() > deadline:
+                    late = _give_up(client, job, allowed_min)
+                    job = _call(client, "GET", f"/v1/jobs/{job['id']}")
+                    break
                 if progress:
                     progress(job["trials_done"], job["trials_total"])
                 time.sleep(poll_s)
@@ -183,8 +202,8 @@ def api_tuner(
             fp_hash = _hash(fp) or (job.get("study_name") or "").removesuffix("-pareto").rsplit("-", 1)[-1]
             tonight = Tonight(None, None, fp, fp_hash, study_name=job.get("study_name"), job_id=job["id"])
             tonight.trials = job["trials_done"]
-            if job["state"] != "succeeded":
-                tonight.error = job.get("error") or f"job {job['id']} {job['state']}"
+            if late or job["state"] != "succeeded":
+                tonight.error = late or job.get("error") or f"job {job['id']} {job['state']}"
                 return tonight
             best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")
             tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
@@ -195,6 +214,21 @@ def api_tuner(
             return tonight
 
     return tune
+
+
+def _give_up(client: Any, job: dict[str, Any], allowed_min: float) -> str:
+    """Cancel a job past its deadline; the sentence tonight's failure reports."""
+    why = (
+        "no worker took it: is `tuner worker` (or `tuner serve`) running against the service's database?"
+        if job["state"] == "queued"
+        else "its worker stopped reporting (a dead worker is re-queued only by a live one)"
+    )
+    try:
+        _call(client, "POST", f"/v1/jobs/{job['id']}/cancel")
+        what = "cancelled it"
+    except ServiceError as err:
+        what = f"could not cancel it ({err})"
+    return f"job {job['id']} still {job['state']} after {allowed_min:g} min; {why}; {what}"
 
 
 def _tokens_of(config: dict[str, Any], trials: list[dict[str, Any]]) -> float | None:
