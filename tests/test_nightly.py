@@ -139,6 +139,24 @@ def test_every_run_of_a_night_gets_its_own_study_and_job_name_from_one_rule():
         nl.run_tag(NIGHT2, 0)
 
 
+@pytest.mark.parametrize("length", [90, 185])
+def test_a_long_recipe_name_keeps_each_nights_tag_in_the_services_study_name(length):
+    """The service's study name keeps 100 characters of the job's name: the night's tag must be
+    among them, or every night after the first would resume night 1's finished study."""
+    from tuner.study.naming import study_name
+
+    recipes = [recipe_from_dict({**RECIPE.to_dict(), "name": "x" * (length - 1) + end}) for end in "ab"]
+    studies = {}
+    for recipe in recipes:
+        for night, run in ((NIGHT2, 1), (NIGHT2, 2), (NIGHT3, 1)):
+            job = nl.nightly_job_name(recipe, night, run)
+            assert len(job) <= 200  # what the service accepts as a recipe's name
+            service = study_name(recipe_from_dict({**recipe.to_dict(), "name": job}), FP_A)
+            assert nl.parse_run(service, night) == run
+            studies[(recipe.name, night, run)] = service
+    assert len(set(studies.values())) == 6  # every night, run and recipe in a study of its own
+
+
 def test_rerunning_a_recorded_night_measures_again_and_an_unrecorded_one_resumes(db_url):
     from sqlalchemy import select
 

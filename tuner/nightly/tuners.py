@@ -27,8 +27,18 @@ def nightly_study_name(recipe: Recipe, fp: dict[str, Any], night: dt.date, run: 
 
 def nightly_job_name(recipe: Recipe, night: dt.date, run: int = 1) -> str:
     """The REST job's recipe name, `<recipe>@nightly-<night>[-run<N>]`. The service keys its study
-    by the recipe's name, so a re-run's distinct name is what gives it a fresh study there."""
-    return f"{recipe.name}@{run_tag(night, run)}"
+    by the recipe's name, so a re-run's distinct name is what gives it a fresh study there. The
+    study name keeps `SLUG_MAX` characters of it: a longer recipe name is cut to fit, with a hash
+    of the whole name, so the night's tag always survives and two long names stay apart."""
+    import hashlib
+
+    from tuner.study.naming import SLUG_MAX
+
+    tag = run_tag(night, run)
+    name, room = recipe.name, SLUG_MAX - len(tag) - 1
+    if len(name) > room:
+        name = f"{name[: room - 7]}~{hashlib.sha256(name.encode()).hexdigest()[:6]}"
+    return f"{name}@{tag}"
 
 
 def local_tuner(
