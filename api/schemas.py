@@ -175,6 +175,14 @@ class BestPublic(BaseModel):
     speedup: float | None = Field(description="Best over the default config's throughput.")
     tie: bool = Field(False, description="The runner-up is within measurement noise.")
     counts: dict[str, int] = Field(default_factory=dict, description="Trials by status.")
+    fingerprint: dict[str, Any] = Field(
+        default_factory=dict,
+        description="What the trials ran on (device model and count, torch and driver versions, CPU): "
+        "results of two fingerprints are not comparable.",
+    )
+    fingerprint_hash: str | None = Field(
+        None, description="Short hash of `fingerprint` (part of the study name)."
+    )
 
 
 class SearchSpacePublic(BaseModel):

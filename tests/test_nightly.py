@@ -249,14 +249,17 @@ def test_api_rerun_submits_a_job_of_its_own(db_url, monkeypatch):
         if request.method == "POST":
             name = json.loads(request.content)["name"]
             posted.append(name)
-            study = f"{name}-{RECIPE.hash()}-3dca968c"
+            # A recipe with `search.reuse: false`: the service's study name ends with the job's id.
+            study = f"{name}-{RECIPE.hash()}-3dca968c-job{len(posted)}"
             studies.setdefault(study, machine["tokens_per_s"])  # an existing study's budget is spent
             job = {"id": len(posted), "state": "succeeded", "trials_done": 2, "trials_total": 2}
             return httpx.Response(201, json={**job, "study_name": study})
         if request.url.path.endswith("/best"):
-            study = f"{posted[int(request.url.path.split('/')[3]) - 1]}-{RECIPE.hash()}-3dca968c"
+            n = int(request.url.path.split("/")[3])
+            study = f"{posted[n - 1]}-{RECIPE.hash()}-3dca968c-job{n}"
+            fp = {"fingerprint": {"family": "cpu", "device": "node"}, "fingerprint_hash": "3dca968c"}
             return httpx.Response(
-                200, json={"tokens_per_s": studies[study], "config": {"micro_batch_size": 4}}
+                200, json={"tokens_per_s": studies[study], "config": {"micro_batch_size": 4}, **fp}
             )
         return httpx.Response(200, json={"items": []})
 
@@ -273,6 +276,8 @@ def test_api_rerun_submits_a_job_of_its_own(db_url, monkeypatch):
     assert (first.job_id, again.job_id, again.run) == (1, 2, 2)
     assert again.study_name.startswith("gpt-nightly@nightly-2026-11-28-run2-")
     assert (again.best_tokens_per_s, again.verdict, again.previous_night) == (700.0, "regression", NIGHT1)
+    # The fingerprint is the service's record of it (this history database holds no such study).
+    assert (first.fingerprint_hash, again.fingerprint_hash) == ("3dca968c", "3dca968c")
 
 
 def test_api_night_whose_job_no_worker_takes_is_cancelled_and_fails_instead_of_waiting(db_url, monkeypatch):

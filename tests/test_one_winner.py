@@ -67,6 +67,8 @@ def _winners(url: str, job_id: int, recipe_path: str, study: str) -> dict[str, t
     assert best["interval"] == card["interval"] == shown["ci"], (
         "the readers give the winner different intervals"
     )
+    # What the winner ran on, as the study recorded it (a nightly on another database reads it here).
+    assert study.endswith(best["fingerprint_hash"]) and best["fingerprint"]["family"] == "cpu"
     nightly = _top_configs(study, url, 1)[0]
     assert nightly == shown["config"], "the nightly's best config is another config"
     out = {

@@ -268,6 +268,9 @@ def read_best(job_id: JobId, session: SessionDep, _: ReadAuth):
         raise ApiError(
             404, f"job {job_id} has no completed trial yet (state: {job.state})", [("id", "no best yet")]
         )
+    from tuner.record.studies import study_fingerprint
+
+    fp, fp_hash = study_fingerprint(session, job.study_name or "")
     return BestPublic(
         job_id=job.id,
         study_name=job.study_name,
@@ -281,6 +284,8 @@ def read_best(job_id: JobId, session: SessionDep, _: ReadAuth):
         speedup=verdict.speedup,
         tie=verdict.tie,
         counts=verdict.counts,
+        fingerprint=fp,
+        fingerprint_hash=fp_hash,
     )
 
 

@@ -216,6 +216,8 @@ def api_tuner(
                 tonight.error = late or job.get("error") or f"job {job['id']} {job['state']}"
                 return tonight
             best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")
+            if best.get("fingerprint"):  # the service's own record (its database need not be ours)
+                tonight.fingerprint, tonight.fingerprint_hash = best["fingerprint"], best["fingerprint_hash"]
             tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
             tonight.best_ci = best.get("interval")
             if enqueue:

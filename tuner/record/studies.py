@@ -164,3 +164,23 @@ def job_fingerprints(session: Session, limit: int = 50) -> list[tuple[int, dict[
             seen.add(key)
             out.append((job_id, fp, attrs[name].get(keys.DEVICE_PRIORS)))
     return out
+
+
+def study_fingerprint(session: Session, study_name: str) -> tuple[dict[str, Any], str | None]:
+    """The fingerprint a study records (the devices and software its trials ran on) and its hash,
+    or ({}, None): two attributes, without reading the study's trials."""
+    if not has_studies(session):
+        return {}, None
+    rows = session.execute(
+        select(study_attrs_t.c.key, study_attrs_t.c.value_json)
+        .join(studies_t, study_attrs_t.c.study_id == studies_t.c.study_id)
+        .where(
+            studies_t.c.study_name == study_name,
+            study_attrs_t.c.key.in_((keys.FINGERPRINT, keys.FINGERPRINT_HASH)),
+        )
+    )
+    found = {key: parse_attr(value) for key, value in rows}
+    fp, fp_hash = found.get(keys.FINGERPRINT), found.get(keys.FINGERPRINT_HASH)
+    if not isinstance(fp, dict):
+        return {}, None
+    return fp, fp_hash if isinstance(fp_hash, str) else None
