@@ -209,3 +209,11 @@ def test_the_executor_variable_is_refused_in_the_same_words(tmp_path):
     result = runner.invoke(app, ["worker"], env=env)
     assert result.exit_code == 2, result.output
     assert "TUNER_EXECUTOR: unknown executor 'slurm'; use local or ray" in " ".join(result.output.split())
+
+
+def test_measure_help_lists_every_knob_set_can_change():
+    from tuner.cli.measure import HELP
+    from tuner.config import KNOBS
+
+    listed = HELP.split("Knobs: ", 1)[1].split(". ", 1)[0].split(", ")
+    assert listed == list(KNOBS)

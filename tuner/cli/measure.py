@@ -36,7 +36,7 @@ Examples:
   tuner measure recipes/gpt-tiny.yaml --profile prof/
   RAY_ADDRESS=head:6379 tuner measure recipes/llama3-8b.yaml --executor ray -s tp=8
 
-Knobs: micro_batch_size, dp, tp, pp, pp_schedule, dp_shard, recompute, offload, attention, bucket_mb, grad_compression, amp, amp_dtype, tf32, compile, optimizer_impl, loader_workers, pin_memory, cpu_affinity. An unknown name or value lists the valid ones.
+Knobs: micro_batch_size, dp, tp, pp, pp_schedule, dp_shard, recompute, recompute_layers, sequence_parallel, offload, attention, bucket_mb, grad_compression, amp, amp_dtype, tf32, compile, optimizer_impl, loader_workers, pin_memory, cpu_affinity, alloc_conf. An unknown name or value lists the valid ones.
 
 --profile DIR writes a Chrome trace per rank and breakdown.json (where a step's time goes, top operators) into DIR and prints them.
 
