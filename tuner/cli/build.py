@@ -4,6 +4,7 @@ cache, profile and launch script, and show what compiling it bought."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -72,8 +73,8 @@ def build(
 
     refuse_renamed_timeout(legacy_timeout, "--timeout-s", "SECONDS")
     recipe = load_recipe_or_exit(recipe_path)
-    if timeout_s <= 0:
-        fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}")
+    if not math.isfinite(timeout_s) or timeout_s <= 0:  # NaN passes `<= 0` alone
+        fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}; e.g. --timeout-s 900")
     if trial is not None and trial < 0:
         fail(f"--trial: must be a trial number >= 0, got {trial}")
     url = storage_or_exit(storage)

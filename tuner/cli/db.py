@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import typer
 
 from tuner.cli.common import fail
@@ -15,8 +17,35 @@ db_app = typer.Typer(
 )
 
 
+def _url_or_exit(ctx: typer.Context, database_url: str | None) -> tuple[str, str]:
+    """The database URL (a relative SQLite file made absolute, as everywhere else) and the name to
+    blame in an error: --database-url when the user typed it, else TUNER_DATABASE_URL. A URL
+    SQLAlchemy cannot parse, or whose driver is not installed, exits 2 here."""
+    from sqlalchemy import exc
+
+    from tuner.db import DatabaseError, get_engine
+    from tuner.settings import absolute_database_url
+    from tuner.settings import database_url as default_url
+
+    source = ctx.get_parameter_source("database_url")
+    name = "--database-url" if source is not None and source.name == "COMMANDLINE" else "TUNER_DATABASE_URL"
+    url = absolute_database_url(database_url) if database_url else default_url()
+    try:
+        get_engine(url)  # parses the URL and loads its driver; connects to nothing yet
+    except (DatabaseError, exc.ArgumentError) as err:
+        _fail_naming(err, name)
+    return url, name
+
+
+def _fail_naming(err: Exception, name: str) -> NoReturn:
+    # tuner.db's messages name the environment variable; name the option if that is what was used.
+    message = str(err).replace("TUNER_DATABASE_URL", name)
+    fail(message if name in message else f"{name}: {message}")
+
+
 @db_app.command("upgrade")
 def upgrade_cmd(
+    ctx: typer.Context,
     database_url: str = typer.Option(
         None, "--database-url", envvar="TUNER_DATABASE_URL", help="Database URL."
     ),
@@ -28,16 +57,18 @@ def upgrade_cmd(
       tuner db upgrade
       TUNER_DATABASE_URL=postgresql+psycopg://tuner@db:5432/tuner tuner db upgrade
     """
+    from sqlalchemy import exc
+
     from tuner.db import DatabaseError
     from tuner.migrations import prepare_database
-    from tuner.settings import absolute_database_url
-    from tuner.settings import database_url as default_url
 
-    url = absolute_database_url(database_url) if database_url else default_url()
+    url, name = _url_or_exit(ctx, database_url)
     try:
         before, after = prepare_database(url)  # Optuna's tables too: one database, one command
     except DatabaseError as err:
-        fail(str(err))
+        _fail_naming(err, name)
+    except exc.DBAPIError as err:  # e.g. permission denied: not the OperationalError upgrade handles
+        fail(f"cannot migrate the database: {err.orig}; check {name}")
     typer.echo(
         f"database schema: {before or 'empty'} -> {after}"
         if before != after
@@ -47,6 +78,7 @@ def upgrade_cmd(
 
 @db_app.command("current")
 def current_cmd(
+    ctx: typer.Context,
     database_url: str = typer.Option(
         None, "--database-url", envvar="TUNER_DATABASE_URL", help="Database URL."
     ),
@@ -60,12 +92,16 @@ def current_cmd(
     """
     from sqlalchemy import exc
 
+    from tuner.db import DatabaseError
     from tuner.migrations import current_revision, head_revision
 
+    url, name = _url_or_exit(ctx, database_url)
     try:
-        rev = current_revision(database_url)
-    except exc.OperationalError as err:
-        fail(f"cannot read the database: {err.orig}; check TUNER_DATABASE_URL")
+        rev = current_revision(url)
+    except DatabaseError as err:
+        _fail_naming(err, name)
+    except exc.DBAPIError as err:  # unreachable server, unopenable SQLite file, refused login
+        fail(f"cannot read the database: {err.orig}; check {name}")
     head = head_revision()
     typer.echo(f"{rev or 'empty'} ({'current' if rev == head else f'behind {head}; run `tuner db upgrade`'})")
 

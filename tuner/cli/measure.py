@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 import threading
@@ -90,8 +91,8 @@ def measure(
 
     refuse_renamed_timeout(legacy_timeout, "--timeout-s", "SECONDS")
     recipe = load_recipe_or_exit(recipe_path)
-    if timeout_s is not None and timeout_s <= 0:
-        fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}")
+    if timeout_s is not None and (not math.isfinite(timeout_s) or timeout_s <= 0):  # NaN too
+        fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}; e.g. --timeout-s 300")
     profile, workdir = absolute(profile), absolute(workdir)
     if device is not None and device not in ("cpu", "cuda", "npu", "auto"):
         fail(f"--device: unknown device {device!r}; use one of cpu, cuda, npu, auto")

@@ -159,7 +159,9 @@ def worker(
     executor: str = typer.Option(
         None, "--executor", help="local or ray (default: $TUNER_EXECUTOR or local)."
     ),
-    poll_s: float = typer.Option(1.0, "--poll-s", min=0.05, help="Seconds between looks at the queue."),
+    poll_s: float = typer.Option(
+        1.0, "--poll-s", min=0.05, max=3600, help="Seconds between looks at the queue."
+    ),
     once: bool = typer.Option(False, "--once", help="Run at most one job, then exit."),
 ) -> None:
     from tuner.db import DatabaseError

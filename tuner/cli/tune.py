@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -100,8 +101,10 @@ def tune(
     recipe = load_recipe_or_exit(recipe_path)
     if trials is not None and trials < 1:
         fail(f"--trials: must be at least 1, got {trials}")
-    if timeout_min is not None and timeout_min <= 0:
-        fail(f"--timeout-min: must be a positive number of minutes, got {timeout_min:g}")
+    if timeout_min is not None and (not math.isfinite(timeout_min) or timeout_min <= 0):  # NaN too
+        fail(
+            f"--timeout-min: must be a positive number of minutes, got {timeout_min:g}; e.g. --timeout-min 30"
+        )
     if patience is not None and patience < 1:
         fail(f"--patience: must be at least 1, got {patience}")
     if remeasure < 0:

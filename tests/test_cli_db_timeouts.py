@@ -1,0 +1,105 @@
+"""Bad input to `tuner db` and to the time limits of `tuner tune` and `tuner build`: exit 2 with one
+line naming the option and the fix, never a traceback, and nothing started or written first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tuner.cli.main import app
+
+runner = CliRunner()
+RECIPE = str(Path(__file__).resolve().parent.parent / "recipes" / "gpt-tiny.yaml")
+
+
+def _text(result) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["current", "upgrade"])
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("foo", "Could not parse SQLAlchemy URL"),
+        ("postgresql+nodriver://tuner@db/tuner", "Can't load plugin"),
+    ],
+)
+def test_db_refuses_a_bad_database_url_naming_the_option(tmp_path, monkeypatch, command, url, expected):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)
+    line = _text(runner.invoke(app, ["db", command, "--database-url", url]))
+    assert line.startswith(f"error: --database-url: cannot use {url!r}: "), line
+    assert expected in line and "expected e.g. sqlite:///tuner.db" in line, line
+    assert "TUNER_DATABASE_URL" not in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_db_names_the_environment_variable_when_the_url_came_from_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TUNER_DATABASE_URL", "foo")
+    line = _text(runner.invoke(app, ["db", "current"]))
+    assert line.startswith("error: TUNER_DATABASE_URL: cannot use 'foo': "), line
+
+
+def test_db_current_names_the_option_when_the_database_cannot_be_opened(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)
+    url = f"sqlite:///{tmp_path}/no/such/folder/tuner.db"
+    line = _text(runner.invoke(app, ["db", "current", "--database-url", url]))
+    assert "cannot read the database: unable to open database file; check --database-url" in line
+
+
+def test_db_current_still_reads_a_good_url(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)
+    result = runner.invoke(app, ["db", "current", "--database-url", "sqlite:///fresh.db"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("empty (behind "), result.output
+    assert (tmp_path / "fresh.db").is_file()  # the relative file, in the current folder
+
+
+def _no_start(*args, **kwargs):
+    raise AssertionError("a refused time limit must fail before anything starts")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0"])
+def test_tune_refuses_a_time_limit_that_is_not_a_positive_number(tmp_path, monkeypatch, value):
+    # NaN passes `<= 0`: the study ran with no time limit at all (the driver's deadline was NaN).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tuner.executors.make_executor", _no_start)
+    monkeypatch.setattr("tuner.study.run_study", _no_start)
+    storage = f"sqlite:///{tmp_path}/study.db"
+    result = runner.invoke(app, ["tune", RECIPE, "--timeout-min", value, "--storage", storage])
+    line = _text(result)
+    assert f"--timeout-min: must be a positive number of minutes, got {float(value):g}" in line
+    assert "e.g. --timeout-min 30" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0"])
+def test_build_refuses_a_time_limit_that_is_not_a_positive_number(tmp_path, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tuner.build.build_trial", _no_start)
+    monkeypatch.setattr("tuner.cli.build.storage_or_exit", _no_start)
+    storage = f"sqlite:///{tmp_path}/study.db"
+    args = ["build", RECIPE, "--timeout-s", value, "--storage", storage, "--out", str(tmp_path / "b")]
+    line = _text(runner.invoke(app, args))
+    assert f"--timeout-s: must be a positive number of seconds, got {float(value):g}" in line
+    assert "e.g. --timeout-s 900" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])
+def test_measure_refuses_a_time_limit_that_is_not_a_positive_number(tmp_path, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tuner.cli.measure.executor_or_exit", _no_start)
+    line = _text(runner.invoke(app, ["measure", RECIPE, "--timeout-s", value]))
+    assert f"--timeout-s: must be a positive number of seconds, got {float(value):g}" in line
+    assert list(tmp_path.iterdir()) == []
