@@ -175,6 +175,38 @@ def test_a_recipe_naming_python_code_is_refused(client, auth, text, field):
         (LLAMA.replace("kv_heads: 2", "kv_heads: 3"), "model.kv_heads", "must divide heads"),
         (LLAMA.replace("rope_theta: 500000.0", "rope_theta: -1"), "model.rope_theta", "greater than 0"),
         (LLAMA.replace("kv_heads: 2", "kv_heads: 1"), "model.kv_heads", "not divisible by tp (2)"),
+        # Scalars PyYAML's constructors cannot hold, and nesting no recipe has: 422, never a 500.
+        (TINY.replace("trials: 3", "seed: " + "9" * 5000), "", "thousands of digits"),
+        (TINY.replace("name: gpt-tiny", "name: 2026-02-30"), "", "day is out of range"),
+        (TINY + "x: !!int 'abc'\n", "", "cannot be read"),
+        ("[" * 5000 + "]" * 5000, "", "nested too deeply"),
+        (TINY + "name: again\n", "", "key 'name' is given twice"),
+        # Infinity is no budget and no time limit; a seed beyond what samplers take.
+        (
+            TINY.replace("devices: 1", "devices: 1, memory_budget_gb: .inf"),
+            "hardware.memory_budget_gb",
+            "finite",
+        ),
+        (TINY.replace("steps: 2", "steps: 2, timeout_s: .inf"), "measure.timeout_s", "finite"),
+        (TINY.replace("trials: 3", "trials: 3, seed: 4294967296"), "search.seed", "less than or equal"),
+        (
+            TINY.replace("trials: 3", "trials: 3, sampler: cmaes, objective: throughput_memory"),
+            "search",
+            "cmaes",
+        ),
+        # Checked on every entry point before a worker takes the job (the CLI's preflight does).
+        (TINY.replace("devices: 1", "devices: 3"), "hardware.devices", "set hardware.devices to 2"),
+        (TINY.replace("devices: 1", "devices: 2, nodes: 2"), "hardware.nodes", "TUNER_EXECUTOR=ray"),
+        (
+            TINY.replace("cpu", "auto").replace("trials: 3", "trials: 3, overrides: {foo: [1]}"),
+            "search.overrides.foo",
+            "unknown knob",
+        ),  # fmt: skip
+        (
+            TINY.replace("cpu", "auto").replace("trials: 3", "trials: 3, overrides: {amp: [O9]}"),
+            "search.overrides.amp",
+            "O9",
+        ),  # fmt: skip
     ],
 )
 def test_bad_recipes_get_422_naming_the_field(client, auth, text, field, says):
@@ -193,7 +225,25 @@ def test_unknown_search_space_or_override_is_refused_at_submit(client, auth):
     resp = _submit(client, auth, TINY.replace("search: {", "search: {space: /etc/passwd, "))
     assert resp.status_code == 422 and "search.space" in _fields(resp)
     resp = _submit(client, auth, TINY.replace("search: {", "search: {overrides: {attention: [warp]}, "))
-    assert resp.status_code == 422 and "attention" in _fields(resp)["search.overrides"]
+    assert resp.status_code == 422 and "warp" in _fields(resp)["search.overrides.attention"]
+    # A value outside the space: the values to choose from and where a client can list them, not
+    # a file on the server's disk to edit.
+    resp = _submit(client, auth, TINY.replace("search: {", "search: {overrides: {bucket_mb: [7]}, "))
+    message = _fields(resp)["search.overrides.bucket_mb"]
+    assert "choose from" in message and "GET /v1/search-spaces" in message and "edit" not in message
+
+
+def test_json_bodies_are_read_as_a_recipe_file_is(client, auth):
+    doc = yaml.safe_load(TINY)
+    resp = _submit(client, auth, "\ufeff" + json.dumps(doc), "application/json")  # a byte-order mark
+    assert resp.status_code == 202, resp.text
+    resp = _submit(client, auth, '{"name": "a", "name": "b"}', "application/json")
+    assert resp.status_code == 422 and "'name' is given twice" in _fields(resp)["body"]
+    resp = _submit(client, auth, '{"name": "a",\n "model": }', "application/json")
+    assert resp.status_code == 422 and _fields(resp)["body"].startswith("not valid JSON at line 2, column")
+    resp = _submit(client, auth, '{"search": {"seed": ' + "9" * 5000 + "}}", "application/json")
+    assert resp.status_code == 422 and "thousands of digits" in _fields(resp)["body"]
+    assert "sys." not in resp.text
 
 
 def test_oversized_and_mistyped_bodies(client, auth):
@@ -202,7 +252,7 @@ def test_oversized_and_mistyped_bodies(client, auth):
     resp = _submit(client, auth, TINY, content_type="text/html")
     assert resp.status_code == 415 and "application/yaml" in _fields(resp)["Content-Type"]
     resp = _submit(client, auth, "{not json", content_type="application/json")
-    assert resp.status_code == 422 and "JSON" in resp.json()["detail"]
+    assert resp.status_code == 422 and "not valid JSON at line 1" in _fields(resp)["body"]
 
 
 # ---- jobs ---------------------------------------------------------------------------------------

@@ -217,3 +217,26 @@ def test_measure_help_lists_every_knob_set_can_change():
 
     listed = HELP.split("Knobs: ", 1)[1].split(". ", 1)[0].split(", ")
     assert listed == list(KNOBS)
+
+
+def test_plan_names_the_override_and_the_device_count_that_fits(tmp_path):
+    """`tuner plan` words the same checks as POST /v1/plans for its own user: the exact override
+    (and the space's file to edit, on this machine), and a device count no split fits."""
+
+    doc = yaml.safe_load((Path(__file__).resolve().parent.parent / "recipes" / "gpt-tiny.yaml").read_text())
+    doc["hardware"]["device"] = "cpu"
+    doc["search"]["overrides"] = {"bucket_mb": [7]}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(doc))
+    storage = f"sqlite:///{tmp_path}/t.db"
+    result = runner.invoke(
+        app, ["plan", str(tmp_path / "r.yaml"), "--storage", storage], env={"COLUMNS": "300"}
+    )
+    assert result.exit_code == 2 and "search.overrides.bucket_mb: 7 is not in the cpu space" in result.output
+    assert "(or edit " in result.output and "Traceback" not in result.output
+    doc["search"]["overrides"] = {}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(doc))
+    args = ["plan", str(tmp_path / "r.yaml"), "--storage", storage, "--devices", "3"]
+    result = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert "devices: no split of 3 devices fits the model and batch" in result.output
+    assert "e.g. --devices 2" in result.output

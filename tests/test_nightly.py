@@ -438,6 +438,10 @@ def test_bad_input_exits_2_with_the_fix(tmp_path):
     )
     bad, bad_out = invoke(["nightly", str(tmp_path), "--local"])
     assert bad == 2 and "a.yaml: model.x: unknown field" in bad_out
+    # A value PyYAML's own constructors cannot hold is bad input like any other, not a traceback.
+    (tmp_path / "a.yaml").write_text("name: 2026-02-30\nmodel: {layers: 2, hidden: 64, heads: 4}\n")
+    date, date_out = invoke(["nightly", str(tmp_path), "--local"])
+    assert date == 2 and "a.yaml: not valid YAML or JSON" in date_out and "Traceback" not in date_out
 
     (tmp_path / "a.yaml").write_text(
         "name: a\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -17,6 +18,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    FiniteFloat,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -46,8 +48,9 @@ def _number(value: Any) -> Any:
 
 
 # Strict sections: `layers: "4"` or `steps: false` are mistakes, not values to coerce.
-# Real-valued fields still take numeric text, since YAML 1.1 has no exponent-only floats.
-Real = Annotated[float, BeforeValidator(_number)]
+# Real-valued fields still take numeric text, since YAML 1.1 has no exponent-only floats; never
+# .inf or .nan (a budget or a time limit of infinity is no limit, and overflows where it is used).
+Real = Annotated[FiniteFloat, BeforeValidator(_number)]
 
 
 Sampler = Literal["tpe", "model", "gp", "cmaes", "random", "grid"]
@@ -173,7 +176,7 @@ class HardwareSpec(_Section):
         1, ge=1, le=1024, description="Machines a trial spans (torchrun --nnodes); devices split evenly."
     )
     memory_budget_gb: Real | None = Field(
-        None, gt=0, description="Peak memory allowed per device in GiB; null = the device's size."
+        None, gt=0, le=1e6, description="Peak memory allowed per device in GiB; null = the device's size."
     )
 
     @model_validator(mode="after")
@@ -195,12 +198,13 @@ class SearchSpec(_Section):
         None, description="Search space name (search_spaces/<name>.yaml); default: device family."
     )
     trials: int = Field(30, ge=1, le=100_000, description="Trials to run (pruned ones count).")
-    timeout_min: Real = Field(30, gt=0, description="Stop starting new trials after this long.")
+    timeout_min: Real = Field(30, gt=0, le=1e6, description="Stop starting new trials after this long.")
     sampler: Sampler = Field(
         "model",
         description="Search algorithm: model (the performance model picks), tpe, gp, cmaes, random; grid enumerates the space.",
     )
-    seed: int = Field(0, ge=0)
+    # Samplers take a 32-bit seed, and a resumed study offsets it by the trials it holds.
+    seed: int = Field(0, ge=0, le=2**31 - 1)
     objective: Literal["throughput", "throughput_memory"] = Field(
         "throughput", description="throughput_memory also minimises peak memory (Pareto front)."
     )
@@ -216,6 +220,14 @@ class SearchSpec(_Section):
         "devices and software (one study per recipe hash and fingerprint); false: a fresh study.",
     )
 
+    @model_validator(mode="after")
+    def _sampler_fits_objective(self) -> SearchSpec:
+        if self.sampler == "cmaes" and self.objective == "throughput_memory":
+            raise ValueError(
+                "sampler cmaes has one objective; use tpe, gp or random for objective throughput_memory"
+            )
+        return self
+
 
 class MeasureSpec(_Section):
     warmup_steps: int = Field(
@@ -230,9 +242,9 @@ class MeasureSpec(_Section):
         "of it (null: exactly `steps` steps).",
     )
     max_seconds: Real = Field(
-        20, gt=0, description="Stop measuring after this many seconds of measured steps."
+        20, gt=0, le=1e6, description="Stop measuring after this many seconds of measured steps."
     )
-    timeout_s: Real = Field(300, gt=0, description="A trial running longer is killed (timeout).")
+    timeout_s: Real = Field(300, gt=0, le=1e7, description="A trial running longer is killed (timeout).")
 
 
 class Recipe(_Section):
@@ -313,17 +325,71 @@ def recipe_from_dict(data: Any, source: str | None = None) -> Recipe:
         raise RecipeError(_problems(err), source) from None
 
 
-def parse_recipe(text: str, source: str | None = None) -> Recipe:
-    """Parse YAML or JSON text (JSON is YAML) into a validated Recipe."""
+class _RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (YAML and JSON both let the
+    last one win silently: `search:` twice would drop the first block)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _RecipeLoader.construct_mapping)
+
+
+def load_document(text: str, source: str | None = None) -> Any:
+    """YAML or JSON text (JSON is YAML) as plain data, or a RecipeError saying where it is broken.
+    Also what PyYAML's own constructors raise past their YAMLError (a date like 2026-02-30, a
+    `!!int` that is none, a number of thousands of digits) and nesting too deep to read."""
     try:
-        data = yaml.safe_load(text)
+        return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or err
+        raise RecipeError([("", f"not valid YAML or JSON{where}: {problem}")], source) from None
+    except (ValueError, OverflowError) as err:  # a scalar its tag cannot hold
+        why = "a number of thousands of digits" if "digits" in str(err) else str(err)
+        raise RecipeError([("", f"not valid YAML or JSON: a value cannot be read ({why})")], source) from None
+    except RecursionError:
         raise RecipeError(
-            [("", f"not valid YAML or JSON{where}: {getattr(err, 'problem', err)}")], source
+            [("", "not valid YAML or JSON: nested too deeply to be a recipe")], source
         ) from None
-    return recipe_from_dict(data, source)
+
+
+def load_json(text: str, source: str | None = None) -> Any:
+    """JSON text as plain data, or a RecipeError saying where it is broken (a key given twice
+    included, as `load_document` refuses it in YAML)."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+        if twice is not None:
+            raise ValueError(f"key {twice!r} is given twice; keep one")
+        return dict(pairs)
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as err:
+        where = f"line {err.lineno}, column {err.colno}"
+        raise RecipeError([("body", f"not valid JSON at {where}: {err.msg}")], source) from None
+    except ValueError as err:  # a duplicate key, or a number of thousands of digits
+        why = "a number of thousands of digits" if "digits" in str(err) else str(err)
+        raise RecipeError([("body", f"not valid JSON: {why}")], source) from None
+    except RecursionError:
+        raise RecipeError([("body", "not valid JSON: nested too deeply to be a recipe")], source) from None
+
+
+def parse_recipe(text: str, source: str | None = None) -> Recipe:
+    """Parse YAML or JSON text (JSON is YAML) into a validated Recipe."""
+    return recipe_from_dict(load_document(text, source), source)
 
 
 # A recipe is a page of YAML; anything larger is the wrong file (the REST API caps bodies at 1 MiB).

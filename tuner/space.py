@@ -25,7 +25,21 @@ _DEGREES = ("dp", "tp", "pp")
 
 
 class SpaceError(ValueError):
-    """A search space file, or an override of it, that cannot be used."""
+    """A search space file, or an override of it, that cannot be used. An override's error names
+    its `field` (`search.overrides.<knob>`) and keeps apart the `file` the values come from: `str()`
+    offers editing it (the command line runs where the file is), `for_client` does not (a REST
+    client cannot reach the server's disk)."""
+
+    def __init__(self, message: str, field: str | None = None, file: str | None = None):
+        self.message, self.field, self.file = message, field, file
+        super().__init__(self._text(f" (or edit {file})" if file else ""))
+
+    def _text(self, hint: str) -> str:
+        return f"{self.field}: {self.message}{hint}" if self.field else f"{self.message}{hint}"
+
+    def for_client(self, hint: str) -> tuple[str, str]:
+        """(field, message) for an entry point whose user has no server files: `hint` instead."""
+        return self.field or "search.overrides", self.message + (hint if self.file else "")
 
 
 def split_label(dp: int, tp: int, pp: int) -> str:
@@ -104,20 +118,21 @@ class SearchSpace:
             field = f"search.overrides.{name}"
             knob = KNOBS.get(name)
             if knob is None:
-                raise SpaceError(f"{field}: unknown knob; valid knobs: {', '.join(KNOBS)}")
+                raise SpaceError(f"unknown knob; valid knobs: {', '.join(KNOBS)}", field)
             if not isinstance(raw_values, list) or not raw_values:
-                raise SpaceError(f"{field}: give a non-empty list of values, e.g. {name}: [...]")
+                raise SpaceError(f"give a non-empty list of values, e.g. {name}: [...]", field)
             values = []
             for raw in raw_values:
                 try:
                     value = knob.parse(raw)
                 except ConfigError as err:
-                    raise SpaceError(f"{field}: {err}") from None
+                    raise SpaceError(str(err), field) from None
                 current = domains[name]
                 if current is not None and value not in current:
                     raise SpaceError(
-                        f"{field}: {raw!r} is not in the {self.name} space; "
-                        f"choose from {_show(current)} (or edit {self.source or self.name})"
+                        f"{raw!r} is not in the {self.name} space; choose from {_show(current)}",
+                        field,
+                        self.source or self.name,
                     )
                 if value not in values:
                     values.append(value)
@@ -131,19 +146,69 @@ class SearchSpace:
         chosen = config.to_dict()
         return all(chosen[n] in self.domains[n] for n in _ORDER if _applies(n, chosen) and self.domains[n])
 
+    def nearest_devices(self, devices: int) -> int | None:
+        """The device count nearest `devices` that some split of the space multiplies to."""
+        counts = (k for k in range(1, 2 * devices + 9) if self.splits(k))
+        return min(counts, key=lambda k: abs(k - devices), default=None)
+
     def shape_problem(self, recipe: Recipe) -> tuple[str, str] | None:
         """(recipe field, message) when no split of this space fits the model's shapes (say
-        kv_heads 1 with every allowed tp > 1), so a study would prune every trial; else None."""
-        splits = self.splits(recipe.hardware.devices)
-        reasons = [shape_reasons(Config(dp=dp, tp=tp, pp=pp), recipe) for dp, tp, pp in splits]
-        if not splits or not all(reasons):
+        kv_heads 1 with every allowed tp > 1) or the global batch, or none multiplies to the
+        devices at all, so a study would prune every trial; else None."""
+        n = recipe.hardware.devices
+        splits = self.splits(n)
+        if not splits:
+            near = self.nearest_devices(n)
+            fix = f"set hardware.devices to {near} or widen" if near else "widen"
+            return ("hardware.devices", f"no dp*tp*pp split of the space multiplies to {n}; {fix} dp/tp/pp")
+        reasons = self._split_reasons(recipe, splits)
+        if not all(reasons):
             return None
         field, message = reasons[0][0]
         allowed = ", ".join(split_label(*s) for s in splits)
+        if all(r[0][0] == field for r in reasons):
+            return (
+                field,
+                f"{message} in every split the space allows ({allowed}); widen search.overrides or change {field}",
+            )
+        # Each split fails for its own reason: the device count is what to change.
+        each = "; ".join(f"{split_label(*s)}: {r[0][1]}" for s, r in zip(splits, reasons, strict=True))
         return (
-            field,
-            f"{message} in every split the space allows ({allowed}); widen search.overrides or change {field}",
+            "hardware.devices",
+            f"no split of {n} devices fits the model and batch ({each}){self.devices_fix(recipe)}",
         )
+
+    def devices_fix(self, recipe: Recipe) -> str:
+        """The clause `shape_problem` ends a device-count problem with: the nearest count that fits."""
+        fits = self.fitting_devices(recipe)
+        return f"; set hardware.devices to {fits}" if fits else "; change hardware.devices"
+
+    def _split_reasons(
+        self, recipe: Recipe, splits: list[tuple[int, int, int]]
+    ) -> list[list[tuple[str, str]]]:
+        """Per split, every way it does not fit the model's shapes or the global batch."""
+        return [
+            shape_reasons(Config(dp=dp, tp=tp, pp=pp), recipe) + self._batch_reasons(recipe, dp, pp)
+            for dp, tp, pp in splits
+        ]
+
+    def fitting_devices(self, recipe: Recipe) -> int | None:
+        """The device count nearest the recipe's at which some split fits its shapes and batch
+        (the shapes do not depend on the count; which splits exist does)."""
+        n = recipe.hardware.devices
+        for k in sorted(range(1, 2 * n + 9), key=lambda k: (abs(k - n), k)):
+            splits = self.splits(k)
+            if splits and not all(self._split_reasons(recipe, splits)):
+                return k
+        return None
+
+    def _batch_reasons(self, recipe: Recipe, dp: int, pp: int) -> list[tuple[str, str]]:
+        """The global batch fits no micro-batch size of the space at this dp (and pp's microbatches)."""
+        gbs, sizes = recipe.train.global_batch_size, self.domains.get("micro_batch_size") or ()
+        if not sizes or any(gbs % (m * dp) == 0 and gbs // (m * dp) >= pp for m in sizes):
+            return []
+        why = f"global batch ({gbs}) splits into no micro_batch_size*dp with dp={dp}"
+        return [("train.global_batch_size", why + (f" and {pp} microbatches" if pp > 1 else ""))]
 
     def suggest(self, trial: Any, recipe: Recipe, device: DeviceInfo) -> Config:
         """Sample a Config in an Optuna trial; knobs that do not apply are not sampled at all."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -17,7 +16,8 @@ from api.responses import FiniteJSONResponse
 from api.schemas import BestPublic, JobId, JobLog, JobPage, JobPublic, JobState, TrialPage
 from api.settings import Settings
 from tuner.db import FINAL_STATES, Build, Job, add_event, utcnow
-from tuner.recipe import Recipe, RecipeError, parse_recipe, recipe_from_dict
+from tuner.recipe import Recipe, RecipeError, load_json, parse_recipe, recipe_from_dict
+from tuner.space import SpaceError
 
 # The errors that follow from what a route is (401, 404 under a job id, 422, ...) are declared
 # by api/errors.py's `document_errors`; a route declares only its own (409, 415).
@@ -64,18 +64,14 @@ def _get_job(session, job_id: int) -> Job:
 def _parse_body(raw: bytes, content_type: str) -> Recipe:
     kind = content_type.split(";")[0].strip().lower()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as a recipe file may have (the CLI reads it so)
     except UnicodeDecodeError:
         raise ApiError(422, "recipe is not UTF-8 text", [("body", "send UTF-8 JSON or YAML")]) from None
     try:
         if kind in _YAML_TYPES:
             return parse_recipe(text)
         if kind in ("application/json", ""):
-            try:
-                data = json.loads(text)
-            except ValueError as err:
-                raise ApiError(422, f"body is not valid JSON: {err}", [("body", str(err))]) from None
-            return recipe_from_dict(data)
+            return recipe_from_dict(load_json(text))
     except RecipeError as err:
         raise ApiError(422, "invalid recipe", err.problems) from None
     raise ApiError(
@@ -101,25 +97,46 @@ def _check_recipe(recipe: Recipe, settings: Settings) -> None:
                 f"at most {settings.max_timeout_min} minutes per job on this service (TUNER_MAX_TIMEOUT_MIN)",
             )
         )
-    # Catch a bad space or override now, not minutes later in the worker. A space is only ever
-    # a name here: a REST recipe must not point a worker at a file on its disk.
-    device = recipe.hardware.device
-    space = recipe.search.space or (device if device != "auto" else None)
-    if space is not None:
-        from tuner.space import SpaceError, available_spaces, load_space
-
-        if space not in available_spaces():
-            known = ", ".join(available_spaces()) or "none"
-            problems.append(("search.space", f"unknown search space; this service has: {known}"))
-        else:
-            try:
-                shape = load_space(space).narrow(recipe.search.overrides).shape_problem(recipe)
-                if shape:
-                    problems.append(shape)
-            except SpaceError as err:
-                problems.append(("search.overrides", str(err)))
+    if recipe.hardware.nodes > 1 and settings.executor == "local":
+        problems.append(
+            (
+                "hardware.nodes",
+                f"{recipe.hardware.nodes} machines per trial need a service whose workers run trials on a "
+                "Ray cluster (TUNER_EXECUTOR=ray); this one runs them on its workers' own machines: set "
+                "hardware.nodes to 1",
+            )
+        )
+    problems += _space_problems(recipe)
     if problems:
         raise ApiError(422, "recipe exceeds this service's limits or names an unknown space", problems)
+
+
+def _space_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """A bad space or override now, not minutes later in the worker. A space is only ever a name
+    here: a REST recipe must not point a worker at a file on its disk. With `hardware.device:
+    auto` the worker's machine picks the space, so the overrides must hold in one of them (and the
+    model's shapes are the worker's to check)."""
+    from tuner.space import available_spaces, load_space
+
+    device = recipe.hardware.device
+    named = recipe.search.space or (device if device != "auto" else None)
+    if named is not None and named not in available_spaces():
+        known = ", ".join(available_spaces()) or "none"
+        return [("search.space", f"unknown search space; this service has: {known}")]
+    errors = []
+    for name in [named] if named is not None else available_spaces():
+        try:
+            space = load_space(name).narrow(recipe.search.overrides)
+        except SpaceError as err:
+            errors.append(err)
+            continue
+        shape = space.shape_problem(recipe) if named is not None else None
+        return [shape] if shape else []
+    return [_override_problem(errors[0])] if errors else []
+
+
+def _override_problem(err: SpaceError) -> tuple[str, str]:
+    return err.for_client("; GET /v1/search-spaces lists every space's values")
 
 
 @router.post(

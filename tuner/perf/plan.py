@@ -32,12 +32,13 @@ class PlanError(ValueError):
     do, which each entry point words as its own option (`worded`): the command line's `--devices
     8`, REST's `?devices=8`. `str()` is the command line's wording."""
 
-    def __init__(self, field: str, message: str, example: str | None = None):
-        self.field, self.message, self.example = field, message, example
-        super().__init__(f"{field}: {self.worded(cli_option)}")
+    def __init__(self, field: str, message: str, example: str | None = None, here: str = ""):
+        self.field, self.message, self.example, self.here = field, message, example, here
+        super().__init__(f"{field}: {self.worded(cli_option)}{here}")
 
     def worded(self, option: Callable[[str, str], str]) -> str:
-        """The message with its example as `option(field, value)` spells it."""
+        """The message with its example as `option(field, value)` spells it (without `here`: a
+        way out only on the machine that has the files, which the command line's `str()` adds)."""
         if self.example is None:
             return self.message
         return f"{self.message}, e.g. {option(self.field, self.example)}"
@@ -153,16 +154,24 @@ def ranked_plan(
     try:
         space = load_space(_space_name(recipe, family, catalogued)).narrow(recipe.search.overrides)
     except SpaceError as err:
-        raise PlanError("search.space", str(err)) from None
+        here = f" (or edit {err.file})" if err.file else ""
+        raise PlanError(err.field or "search.space", err.message, here=here) from None
     if not space.splits(n):
-        near = min(
-            (k for k in range(1, 2 * n + 9) if space.splits(k)), key=lambda k: abs(k - n), default=None
-        )
+        near = space.nearest_devices(n)
         why = f"no dp*tp*pp split of the search space multiplies to {n}"
         if devices is None:  # the recipe's own count
             raise PlanError("hardware.devices", why + (f"; set it to {near}" if near else ""))
         raise PlanError("devices", why, example=None if near is None else str(near))
     target = _for_devices(recipe, n)
+    shape = space.shape_problem(target)
+    if shape is not None:  # every config would be infeasible: say why, not "0 configs ranked"
+        field, why = shape
+        if field == "hardware.devices" and devices is not None:
+            fits = space.fitting_devices(target)
+            raise PlanError(
+                "devices", why.removesuffix(space.devices_fix(target)), example=fits and str(fits)
+            )
+        raise PlanError(field, why)
     if observations is None:
         observations = _stored(storage_url, fingerprint or _here(family), target) if storage_url else []
     observations = same_model(observations, target)
