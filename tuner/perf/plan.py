@@ -21,7 +21,7 @@ from tuner.perf.predictor import Predicted, Predictor
 from tuner.perf.priors import DevicePriors, device_priors
 from tuner.prune import calibration_factor, verdict
 from tuner.recipe import Recipe
-from tuner.space import SpaceError, load_space
+from tuner.space import SearchSpace, SpaceError, load_space
 
 MAX_DEVICES = 1 << 16
 MAX_TOP = 1000
@@ -127,6 +127,37 @@ def make_plan(
     )[0]  # fmt: skip
 
 
+def _checked_space(
+    recipe: Recipe, family: str, catalogued: str | None, devices: int | None
+) -> tuple[SearchSpace, Recipe]:
+    """The recipe's space narrowed by its overrides, and the recipe on the devices planned for;
+    PlanError when a config of it could never run (then nothing would be ranked): an override
+    outside the space, no dp*tp*pp split of the count, or none that fits the shapes and batch."""
+    n = devices or recipe.hardware.devices
+    try:
+        space = load_space(_space_name(recipe, family, catalogued)).narrow(recipe.search.overrides)
+    except SpaceError as err:
+        here = f" (or edit {err.file})" if err.file else ""
+        raise PlanError(err.field or "search.space", err.message, here=here) from None
+    if not space.splits(n):
+        near = space.nearest_devices(n)
+        why = f"no dp*tp*pp split of the search space multiplies to {n}"
+        if devices is None:  # the recipe's own count
+            raise PlanError("hardware.devices", why + (f"; set it to {near}" if near else ""))
+        raise PlanError("devices", why, example=None if near is None else str(near))
+    target = _for_devices(recipe, n)
+    shape = space.shape_problem(target)
+    if shape is not None:
+        field, why = shape
+        if field == "hardware.devices" and devices is not None:
+            fits = space.fitting_devices(target)
+            raise PlanError(
+                "devices", why.removesuffix(space.devices_fix(target)), example=fits and str(fits)
+            )
+        raise PlanError(field, why)
+    return space, target
+
+
 def ranked_plan(
     recipe: Recipe,
     *,
@@ -151,27 +182,7 @@ def ranked_plan(
     # A given device may be one this machine lacks (a study's, read from its fingerprint).
     family = device.family if device else resolve_family(recipe.hardware.device)
     device = device or describe(family)
-    try:
-        space = load_space(_space_name(recipe, family, catalogued)).narrow(recipe.search.overrides)
-    except SpaceError as err:
-        here = f" (or edit {err.file})" if err.file else ""
-        raise PlanError(err.field or "search.space", err.message, here=here) from None
-    if not space.splits(n):
-        near = space.nearest_devices(n)
-        why = f"no dp*tp*pp split of the search space multiplies to {n}"
-        if devices is None:  # the recipe's own count
-            raise PlanError("hardware.devices", why + (f"; set it to {near}" if near else ""))
-        raise PlanError("devices", why, example=None if near is None else str(near))
-    target = _for_devices(recipe, n)
-    shape = space.shape_problem(target)
-    if shape is not None:  # every config would be infeasible: say why, not "0 configs ranked"
-        field, why = shape
-        if field == "hardware.devices" and devices is not None:
-            fits = space.fitting_devices(target)
-            raise PlanError(
-                "devices", why.removesuffix(space.devices_fix(target)), example=fits and str(fits)
-            )
-        raise PlanError(field, why)
+    space, target = _checked_space(recipe, family, catalogued, devices)
     if observations is None:
         observations = _stored(storage_url, fingerprint or _here(family), target) if storage_url else []
     observations = same_model(observations, target)
