@@ -4,14 +4,18 @@ code-loading or undeclared config keys are refused before transformers sees them
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from tuner.config import Config, shape_reasons
 from tuner.models import family_of
 from tuner.models.hf import hf_config, supported_types
 from tuner.models.hf_nn import build_hf
-from tuner.recipe import RecipeError, recipe_from_dict
+from tuner.recipe import RecipeError, parse_recipe, recipe_from_dict
 from tuner.workload.model import build_model
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -120,3 +124,104 @@ def test_a_bf16_model_runs_as_amp_o2_does():
     batch = torch.randint(0, 256, (2, 16))
     logits = model(batch)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(model.loss(logits, batch))
+
+
+# ---- bad config values: one (field, message) pair, the same on every entry point ---------------
+
+TINY = Path(__file__).resolve().parent.parent / "recipes" / "hf-qwen2-tiny.yaml"
+
+
+def _tiny(**config) -> dict:
+    """recipes/hf-qwen2-tiny.yaml on the cpu (8 heads, 2 key/value heads) with config changed."""
+    doc = yaml.safe_load(TINY.read_text())
+    doc["hardware"]["device"] = "cpu"
+    doc["model"]["config"].update(config)
+    return doc
+
+
+BAD_VALUES = {
+    "kv_heads_zero": ({"num_key_value_heads": 0}, "model.config.num_key_value_heads", "integer from 1 to 1024"),
+    "unknown_activation": ({"hidden_act": "bogus"}, "model.config.hidden_act", "use one of gelu"),
+    "a_billion_layers": ({"num_hidden_layers": 10**9}, "model.config.num_hidden_layers", "integer from 1 to 512"),
+    "kv_heads_not_dividing": ({"num_key_value_heads": 3}, "model.config.num_key_value_heads", "divisor of 8"),
+    "size_as_text": ({"hidden_size": "256"}, "model.config.hidden_size", "not a whole number"),
+    "size_as_bool": ({"vocab_size": True}, "model.config.vocab_size", "true is not a whole number"),
+    "negative_eps": ({"rms_norm_eps": -1}, "model.config.rms_norm_eps", "set rms_norm_eps to a small positive"),
+    "eps_as_yaml_text": ({"rms_norm_eps": "1e-6"}, "model.config.rms_norm_eps", "write it as a float"),
+    "heads_not_dividing_width": ({"num_attention_heads": 6, "num_key_value_heads": 2},
+                                 "model.config.num_attention_heads", "divisor of hidden_size"),
+    # transformers' own refusal, its whole reason on one line (the second line used to be cut off)
+    "int_eps": ({"rms_norm_eps": 1}, "model.config.rms_norm_eps", "transformers refused it: Validation error "
+                "for field 'rms_norm_eps': TypeError: Field 'rms_norm_eps' expected float, got int"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_a_bad_config_value_is_one_problem_naming_its_key(case):
+    """Through parse_recipe, what `tuner plan/tune` (a file) and POST /v1/jobs, /v1/plans parse."""
+    config, field, says = BAD_VALUES[case]
+    supported_types()  # the one-off import of transformers' table is not the check's time
+    start = time.process_time()
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(yaml.safe_dump(_tiny(**config)))
+    assert time.process_time() - start < 10  # a billion layers spun tens of CPU-seconds
+    assert len(err.value.problems) == 1, err.value.problems
+    (got_field, message), = err.value.problems  # fmt: skip
+    assert got_field == field and says in message and "\n" not in message, message
+
+
+def test_a_model_transformers_cannot_build_is_a_problem_not_a_traceback(monkeypatch):
+    # A rope type the config lets through and the model's rotary embedding does not know.
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(yaml.safe_dump(_tiny(rope_parameters={"rope_type": "bogus", "rope_theta": 1e4})))
+    (field, message), = err.value.problems  # fmt: skip
+    assert field.startswith("model.config") and "bogus" in message and "Traceback" not in message
+
+    import tuner.models.hf_nn
+
+    def broken(cfg):
+        raise ZeroDivisionError("integer division or modulo by zero\n  while building layer 0")
+
+    monkeypatch.setattr(tuner.models.hf_nn, "build_hf", broken)
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(_tiny(vocab_size=8200))  # a config the counts have not cached
+    assert err.value.problems == [
+        (
+            "model.config",
+            "transformers could not build the model: ZeroDivisionError: integer division or modulo "
+            "by zero while building layer 0",
+        )
+    ]
+
+
+def test_rest_answers_422_not_500_for_configs_that_used_to_crash(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from api import Settings, create_app
+    from api.auth import create_token
+    from tuner.db import session_scope
+
+    url = f"sqlite:///{tmp_path}/t.db"
+    app = create_app(Settings(database_url=url, max_trials=50, max_timeout_min=60, max_body_bytes=65536))
+    with TestClient(app) as client:
+        with session_scope(url) as s:
+            client.headers["Authorization"] = f"Bearer {create_token(s, 'tester')}"
+        for route in ("/v1/jobs", "/v1/plans"):
+            for key, value in (("num_key_value_heads", 0), ("hidden_act", "bogus")):
+                r = client.post(route, json=_tiny(**{key: value}))
+                assert r.status_code == 422, (route, key, r.text)
+                fields = {e["field"]: e["message"] for e in r.json()["errors"]}
+                assert f"model.config.{key}" in fields, r.text
+
+
+def test_the_cli_plan_exits_2_naming_the_key(tmp_path):
+    from typer.testing import CliRunner
+
+    from tuner.cli.main import app
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_tiny(hidden_act="bogus")))
+    result = CliRunner().invoke(app, ["plan", str(path)])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "model.config.hidden_act: 'bogus' is not an activation" in out and "Traceback" not in out

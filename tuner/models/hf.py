@@ -3,10 +3,15 @@
 The recipe's `model.config` is data: `model_type` plus keys the config class declares. It is
 checked here, before `transformers` sees it (`config_problems`): keys that would load or run code
 (`auto_map`, `trust_remote_code`, anything naming a class, module, file or path) and undeclared
-keys are refused, values must be plain numbers, strings, booleans, lists or mappings. The model
-is built with `AutoConfig.for_model` and `AutoModelForCausalLM.from_config` on the meta device
-(`hf_nn`), never from the hub. The recipe's sizes (layers, hidden, heads, vocab, ffn) are the
-config's (`resolve_model`), and the parameter counts are the meta model's own (`counts`).
+keys are refused, values must be plain numbers, strings, booleans, lists or mappings, the sizes
+whole numbers within `ModelSpec`'s bounds, norm epsilons positive and activations ones
+transformers knows (its config builds per-layer lists, so a billion layers would spin). Then the
+config must build, its heads divide the width and its key/value heads the heads, and its meta
+model must build: whatever transformers or torch raises is the recipe's problem (a `(field,
+message)` pair), never a traceback. The model is built with `AutoConfig.for_model` and
+`AutoModelForCausalLM.from_config` on the meta device (`hf_nn`), never from the hub. The
+recipe's sizes (layers, hidden, heads, vocab, ffn) are the config's (`resolve_model`), and the
+parameter counts are the meta model's own (`counts`).
 
 Unlike gpt and llama, this module loads torch when it counts: `transformers`' config classes
 import it.
@@ -38,6 +43,23 @@ SIZE_FIELDS = {
     "vocab": "vocab_size",
     "ffn": "intermediate_size",
 }
+# (least, most) of a config's sizes, mirrored from tuner.recipe.ModelSpec's Field bounds (layers
+# 1..512, hidden 8..65536, heads 1..1024, vocab 2..2_000_000, kv_heads and ffn >= 1, seq_len
+# <= 1_048_576): the sizes become those fields. ModelSpec leaves ffn unbounded; 16 x the widest
+# hidden keeps it finite. A model needs no positions past the longest seq_len.
+SIZE_BOUNDS = {
+    "num_hidden_layers": (1, 512),
+    "hidden_size": (8, 65536),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 65536),
+    "vocab_size": (2, 2_000_000),
+    "intermediate_size": (1, 16 * 65536),
+    "max_position_embeddings": (1, 1_048_576),
+}
+ACTIVATION_KEYS = ("hidden_act", "hidden_activation")
+_EPS_KEY = re.compile(r"(^|_)eps(ilon)?($|_)")
+MAX_REASON_CHARS = 400
 
 
 def _offline() -> None:
@@ -120,11 +142,115 @@ def config_problems(config: Any, where: str = "model.config") -> list[tuple[str,
         if key != "model_type" and key not in declared and not any(f == f"{where}.{key}" for f, _ in out):
             out.append((f"{where}.{key}", f"{model_type}'s config declares no {key!r}; remove it"))
     if not out:
-        try:
-            resolved(json.dumps(config, sort_keys=True))
-        except Exception as err:  # noqa: BLE001 - any refusal of a data config is the user's to fix
-            out.append((where, f"transformers refused it: {str(err).splitlines()[0]}"))
+        out = _value_problems(config, where)
+    if not out:
+        out = _build_problems(config, where)
     return out
+
+
+def _size_problem(key: str, value: Any) -> str | None:
+    low, high = SIZE_BOUNDS[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        shown = f"text {shown}" if isinstance(value, str) else shown
+        return f"{shown} is not a whole number; set {key} to an integer from {low} to {high} (no quotes)"
+    if not low <= value <= high:
+        return f"{value} is out of range; set {key} to an integer from {low} to {high}"
+    return None
+
+
+def _eps_problem(key: str, value: Any) -> str | None:
+    if isinstance(value, str):
+        return (f"text {value!r} is not a number; write it as a float such as 1.0e-6 "
+                "(YAML reads 1e-6 without the point as text)")  # fmt: skip
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+        return f"{value} is not positive; set {key} to a small positive float such as 1.0e-6"
+    return None
+
+
+def _value_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]:
+    """The sizes, norm epsilons and activations a recipe gives, checked before transformers sees
+    them (its config builds per-layer lists from the sizes, and takes a negative epsilon)."""
+    out: list[tuple[str, str]] = []
+    for key, value in config.items():
+        problem = None
+        if value is None:
+            continue
+        if key in SIZE_BOUNDS:
+            problem = _size_problem(key, value)
+        elif _EPS_KEY.search(key):
+            problem = _eps_problem(key, value)
+        elif key in ACTIVATION_KEYS and isinstance(value, str):
+            from transformers.activations import ACT2FN
+
+            if value not in ACT2FN:
+                problem = f"{value!r} is not an activation transformers knows; use one of {', '.join(sorted(ACT2FN))}"
+        if problem:
+            out.append((f"{where}.{key}", problem))
+    return out
+
+
+def _attr(cfg: Any, name: str) -> Any:
+    try:  # a per-layer attribute of a heterogeneous config refuses a global read
+        return getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _shape_problems(cfg: Any, config: dict[str, Any], where: str) -> list[tuple[str, str]]:
+    """What gpt and llama refuse too: heads that do not divide the width, key/value heads that
+    do not divide the heads (the config's values, defaults included; the field is a key given)."""
+    hidden, heads = _attr(cfg, "hidden_size"), _attr(cfg, "num_attention_heads")
+    kv = _attr(cfg, "num_key_value_heads")
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, heads)):
+        return []
+    out = []
+    if hidden % heads:
+        key = "num_attention_heads" if "num_attention_heads" in config else "hidden_size"
+        out.append((f"{where}.{key}", f"num_attention_heads ({heads}) does not divide hidden_size ({hidden}); set "
+                    "num_attention_heads to a divisor of hidden_size, or hidden_size to a multiple of it"))  # fmt: skip
+    if isinstance(kv, int) and kv > 0 and heads % kv:
+        key = "num_key_value_heads" if "num_key_value_heads" in config else "num_attention_heads"
+        out.append((f"{where}.{key}", f"num_key_value_heads ({kv}) does not divide num_attention_heads ({heads}): "
+                    "each key/value head serves a whole group of query heads; set num_key_value_heads to a "
+                    f"divisor of {heads}"))  # fmt: skip
+    return out
+
+
+def _reason(err: BaseException, typed: bool) -> str:
+    """An exception's whole message on one line, trimmed; with its type where that says more."""
+    text = " ".join(str(err).split())
+    if typed or not text:
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+
+
+def _named(reason: str, config: dict[str, Any], where: str) -> str:
+    """`model.config.<key>` when the reason quotes one of the config's keys, else `model.config`."""
+    for name in re.findall(r"['\"`]([A-Za-z_]\w*)['\"`]", reason):
+        if name in config and name != "model_type":
+            return f"{where}.{name}"
+    return where
+
+
+def _build_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]:
+    """The config must build in transformers, and so must its meta model (what the counts and
+    every entry point's checks build); anything either raises is the recipe's problem."""
+    key = json.dumps(config, sort_keys=True)
+    try:
+        cfg = resolved(key)
+    except Exception as err:  # noqa: BLE001 - any refusal of a data config is the user's to fix
+        reason = _reason(err, typed=False)
+        return [(_named(reason, config, where), f"transformers refused it: {reason}")]
+    out = _shape_problems(cfg, config, where)
+    if out:
+        return out
+    try:
+        counts(key)
+    except Exception as err:  # noqa: BLE001 - same: the config is data, its failure the user's
+        reason = _reason(err, typed=True)
+        return [(_named(reason, config, where), f"transformers could not build the model: {reason}")]
+    return []
 
 
 @functools.lru_cache(maxsize=64)
