@@ -81,7 +81,9 @@ def _parse_body(raw: bytes, content_type: str) -> Recipe:
     )
 
 
-def _check_recipe(recipe: Recipe, settings: Settings) -> None:
+def _check_recipe(recipe: Recipe, settings: Settings, *, runs_here: bool = True) -> None:
+    """What this host can check before a worker takes the recipe (`runs_here`: a job this
+    service's workers will run, not a plan, which may be for machines the service has not)."""
     problems = []
     if recipe.search.trials > settings.max_trials:
         problems.append(
@@ -97,7 +99,7 @@ def _check_recipe(recipe: Recipe, settings: Settings) -> None:
                 f"at most {settings.max_timeout_min} minutes per job on this service (TUNER_MAX_TIMEOUT_MIN)",
             )
         )
-    if recipe.hardware.nodes > 1 and settings.executor == "local":
+    if runs_here and recipe.hardware.nodes > 1 and settings.executor == "local":
         problems.append(
             (
                 "hardware.nodes",
@@ -132,11 +134,7 @@ def _space_problems(recipe: Recipe) -> list[tuple[str, str]]:
             continue
         shape = space.shape_problem(recipe) if named is not None else None
         return [shape] if shape else []
-    return [_override_problem(errors[0])] if errors else []
-
-
-def _override_problem(err: SpaceError) -> tuple[str, str]:
-    return err.for_client("; GET /v1/search-spaces lists every space's values")
+    return [errors[0].for_client("; GET /v1/search-spaces lists every space's values")] if errors else []
 
 
 @router.post(

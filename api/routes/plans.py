@@ -32,7 +32,7 @@ async def create_plan(
     when it goes beyond them. `device` (V100, A100, H100, H200, 910B): plan for that catalogued
     device instead, from its datasheet priors alone."""
     recipe = _parse_body(body, request.headers.get("content-type", ""))
-    _check_recipe(recipe, settings)
+    _check_recipe(recipe, settings, runs_here=False)
     from tuner.devices import UnavailableDevice
     from tuner.perf.plan import PlanError, make_plan
     from tuner.perf.study_plan import service_plan
