@@ -351,6 +351,28 @@ def test_a_drop_inside_the_two_nights_measurement_noise_is_not_a_regression(db_u
     assert precise.verdict == "regression" and precise.band_pct == pytest.approx(5.0)
 
 
+@pytest.mark.parametrize(("ci", "verdict"), [(0.01, "regression"), (0.07, "unchanged")])
+def test_a_slow_decline_within_each_nights_band_is_a_regression_against_the_earlier_nights(
+    db_url, ci, verdict
+):
+    """Each night a few percent below the one before never leaves that night's band; against the
+    median of the earlier nights it does, where the machine measures precisely enough to tell."""
+    nights = [NIGHT1 + dt.timedelta(days=d) for d in range(5)]
+    outs = [
+        run(db_url, n, fixed(best, FP_A, ci=ci))
+        for n, best in zip(nights, (1000, 985, 1000, 960, 925), strict=True)
+    ]
+    assert [o.verdict for o in outs[1:4]] == ["unchanged"] * 3
+    last = outs[4]
+    assert round(last.change_pct, 1) == -3.6 and last.drift_nights == 4  # vs 960; the median of four is 992.5
+    assert last.drift_pct == pytest.approx((925 - 992.5) / 992.5 * 100)
+    assert last.verdict == verdict and nl.exit_code([last]) == (verdict == "regression")
+    md = nl.render_markdown([last], nights[4], 0.05)
+    assert ("A slow decline: tonight's best is -6.8% from the median best of the last 4 nights" in md) == (
+        verdict == "regression"
+    )
+
+
 def test_an_edited_recipe_starts_its_own_history_under_the_same_name(db_url):
     """A recipe edited between nights (another model) is not judged against the old one's best,
     nor warm-started from its configs; the report says why there is nothing to compare."""

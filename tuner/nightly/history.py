@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import re
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,9 @@ IMPROVED, UNCHANGED, REGRESSED, FIRST_RUN, FAILED = (
 )
 VERDICTS = (IMPROVED, UNCHANGED, REGRESSED, FIRST_RUN, FAILED)
 DEFAULT_TOP_K = 3
+# A night is also judged against the median best of this many earlier nights (at least
+# MIN_DRIFT_NIGHTS of them): each night within the band of the one before can still add up.
+DRIFT_NIGHTS, MIN_DRIFT_NIGHTS = 7, 3
 
 
 @dataclass
@@ -92,6 +96,11 @@ class Outcome:
     band_pct: float | None = None
     # The latest earlier night of a recipe by this name whose recipe differed: not compared with.
     recipe_changed_since: dt.date | None = None
+    # Tonight against the median best of up to DRIFT_NIGHTS earlier nights (same recipe and
+    # fingerprint): a slow decline that no single night's step shows (`judge_drift`).
+    drift_reference_tokens_per_s: float | None = None
+    drift_nights: int = 0
+    drift_pct: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -200,6 +209,28 @@ def find_previous(
         row.fingerprint or {},
         row.best_ci,
     )
+
+
+def judge_drift(o: Outcome, url: str | None) -> None:
+    """An unchanged night whose best lies below the median best of the recipe's earlier nights on
+    the same fingerprint by more than tonight's band is a regression too: a decline of a few
+    percent a night never leaves the band of the night before."""
+    if o.verdict != UNCHANGED or o.best_tokens_per_s is None or o.band_pct is None:
+        return
+    rows = [
+        r
+        for r in _earlier(o.recipe, o.night, url)
+        if r.best_tokens_per_s is not None
+        and r.fingerprint_hash == o.fingerprint_hash
+        and r.recipe_hash in (None, o.recipe_hash)
+    ][:DRIFT_NIGHTS]
+    if len(rows) < MIN_DRIFT_NIGHTS:
+        return
+    reference = statistics.median(r.best_tokens_per_s for r in rows)
+    o.drift_reference_tokens_per_s, o.drift_nights = reference, len(rows)
+    o.drift_pct = (o.best_tokens_per_s - reference) / reference * 100
+    if o.drift_pct < -o.band_pct:
+        o.verdict = REGRESSED
 
 
 def recipe_changed_since(
@@ -367,6 +398,7 @@ def run_recipe(
         best_ci=tonight.best_ci,
         band_pct=max(threshold * 100, noise or 0.0) if previous is not None else None,
     )
+    judge_drift(outcome, db_url)
     if previous is None:
         outcome.recipe_changed_since = recipe_changed_since(recipe.name, night, recipe_hash, db_url)
     else:

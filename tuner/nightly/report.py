@@ -71,6 +71,13 @@ def _section(o: Outcome, threshold: float) -> list[str]:
             f"±{(o.previous_best_ci or 0) * 100:.1f}% (95% intervals), so a change counts beyond "
             f"±{o.band_pct:.1f}%, not ±{threshold * 100:g}%.",
         ]
+    if o.verdict == REGRESSED and o.drift_pct is not None and o.drift_pct < -(o.band_pct or 0):
+        lines += [
+            "",
+            f"A slow decline: tonight's best is {o.drift_pct:+.1f}% from the median best of the last "
+            f"{o.drift_nights} nights ({_rate(o.drift_reference_tokens_per_s)} tokens/s), beyond the "
+            f"±{o.band_pct:.1f}% band, though within it of the night before.",
+        ]
     if o.recipe_changed_since:
         lines += [
             "",
