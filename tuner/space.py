@@ -32,14 +32,34 @@ class SpaceError(ValueError):
 
     def __init__(self, message: str, field: str | None = None, file: str | None = None):
         self.message, self.field, self.file = message, field, file
-        super().__init__(self._text(f" (or edit {file})" if file else ""))
+        super().__init__(f"{field}: {message}{self.here}" if field else f"{message}{self.here}")
 
-    def _text(self, hint: str) -> str:
-        return f"{self.field}: {self.message}{hint}" if self.field else f"{self.message}{hint}"
+    @property
+    def here(self) -> str:
+        """The way out only the machine that has the file offers (the command line's)."""
+        return f" (or edit {self.file})" if self.file else ""
 
     def for_client(self, hint: str) -> tuple[str, str]:
         """(field, message) for an entry point whose user has no server files: `hint` instead."""
         return self.field or "search.overrides", self.message + (hint if self.file else "")
+
+
+@dataclass(frozen=True)
+class ShapeProblem:
+    """Why no config of a space can run a recipe (`SearchSpace.shape_problem`): the recipe `field`
+    to change and `why`; where the device count is that field, `devices` is the nearest count at
+    which a split fits (None: none near), for each entry point to offer as its own option."""
+
+    field: str
+    why: str
+    devices: int | None = None
+
+    def pair(self) -> tuple[str, str]:
+        """(field, message) with the fix worded for the recipe."""
+        if self.field != "hardware.devices":
+            return self.field, self.why
+        fix = f"set hardware.devices to {self.devices}" if self.devices else "change hardware.devices"
+        return self.field, f"{self.why}; {fix}"
 
 
 def split_label(dp: int, tp: int, pp: int) -> str:
@@ -146,42 +166,27 @@ class SearchSpace:
         chosen = config.to_dict()
         return all(chosen[n] in self.domains[n] for n in _ORDER if _applies(n, chosen) and self.domains[n])
 
-    def nearest_devices(self, devices: int) -> int | None:
-        """The device count nearest `devices` that some split of the space multiplies to."""
-        counts = (k for k in range(1, 2 * devices + 9) if self.splits(k))
-        return min(counts, key=lambda k: abs(k - devices), default=None)
-
-    def shape_problem(self, recipe: Recipe) -> tuple[str, str] | None:
-        """(recipe field, message) when no split of this space fits the model's shapes (say
-        kv_heads 1 with every allowed tp > 1) or the global batch, or none multiplies to the
-        devices at all, so a study would prune every trial; else None."""
+    def shape_problem(self, recipe: Recipe) -> ShapeProblem | None:
+        """Why no config of this space can run the recipe, so a study would prune every trial:
+        no split multiplies to its devices, or none fits the model's shapes (say kv_heads 1 with
+        every allowed tp > 1) or the global batch; else None."""
         n = recipe.hardware.devices
         splits = self.splits(n)
         if not splits:
-            near = self.nearest_devices(n)
-            fix = f"set hardware.devices to {near} or widen" if near else "widen"
-            return ("hardware.devices", f"no dp*tp*pp split of the space multiplies to {n}; {fix} dp/tp/pp")
+            why = f"no dp*tp*pp split of the space (search.overrides dp, tp, pp) multiplies to {n}"
+            return ShapeProblem("hardware.devices", why, self.fitting_devices(recipe))
         reasons = self._split_reasons(recipe, splits)
         if not all(reasons):
             return None
         field, message = reasons[0][0]
         allowed = ", ".join(split_label(*s) for s in splits)
         if all(r[0][0] == field for r in reasons):
-            return (
-                field,
-                f"{message} in every split the space allows ({allowed}); widen search.overrides or change {field}",
-            )
+            why = f"{message} in every split the space allows ({allowed}); widen search.overrides or change {field}"
+            return ShapeProblem(field, why)
         # Each split fails for its own reason: the device count is what to change.
         each = "; ".join(f"{split_label(*s)}: {r[0][1]}" for s, r in zip(splits, reasons, strict=True))
-        return (
-            "hardware.devices",
-            f"no split of {n} devices fits the model and batch ({each}){self.devices_fix(recipe)}",
-        )
-
-    def devices_fix(self, recipe: Recipe) -> str:
-        """The clause `shape_problem` ends a device-count problem with: the nearest count that fits."""
-        fits = self.fitting_devices(recipe)
-        return f"; set hardware.devices to {fits}" if fits else "; change hardware.devices"
+        why = f"no split of {n} devices fits the model and batch ({each})"
+        return ShapeProblem("hardware.devices", why, self.fitting_devices(recipe))
 
     def _split_reasons(
         self, recipe: Recipe, splits: list[tuple[int, int, int]]

@@ -132,8 +132,8 @@ def _space_problems(recipe: Recipe) -> list[tuple[str, str]]:
         except SpaceError as err:
             errors.append(err)
             continue
-        shape = space.shape_problem(recipe) if named is not None else None
-        return [shape] if shape else []
+        problem = space.shape_problem(recipe) if named is not None else None
+        return [problem.pair()] if problem else []
     return [errors[0].for_client("; GET /v1/search-spaces lists every space's values")] if errors else []
 
 

@@ -137,24 +137,14 @@ def _checked_space(
     try:
         space = load_space(_space_name(recipe, family, catalogued)).narrow(recipe.search.overrides)
     except SpaceError as err:
-        here = f" (or edit {err.file})" if err.file else ""
-        raise PlanError(err.field or "search.space", err.message, here=here) from None
-    if not space.splits(n):
-        near = space.nearest_devices(n)
-        why = f"no dp*tp*pp split of the search space multiplies to {n}"
-        if devices is None:  # the recipe's own count
-            raise PlanError("hardware.devices", why + (f"; set it to {near}" if near else ""))
-        raise PlanError("devices", why, example=None if near is None else str(near))
+        raise PlanError(err.field or "search.space", err.message, here=err.here) from None
     target = _for_devices(recipe, n)
-    shape = space.shape_problem(target)
-    if shape is not None:
-        field, why = shape
-        if field == "hardware.devices" and devices is not None:
-            fits = space.fitting_devices(target)
-            raise PlanError(
-                "devices", why.removesuffix(space.devices_fix(target)), example=fits and str(fits)
-            )
-        raise PlanError(field, why)
+    problem = space.shape_problem(target)
+    if problem is not None and problem.field == "hardware.devices" and devices is not None:
+        # The count asked for, not the recipe's: the way out is another --devices / ?devices=.
+        raise PlanError("devices", problem.why, example=problem.devices and str(problem.devices))
+    if problem is not None:
+        raise PlanError(*problem.pair())
     return space, target
 
 

@@ -48,12 +48,8 @@ def preflight(recipe: Recipe, sampler: str, executor: Executor) -> Described:
             else " (or spread them over machines: hardware.nodes, with the Ray executor)"
         )
         raise PreflightError(f"{too_many}; lower hardware.devices{more}")
-    if not space.splits(recipe.hardware.devices):
-        raise PreflightError(
-            "search.overrides: no dp*tp*pp split in the space multiplies to "
-            f"hardware.devices={recipe.hardware.devices}"
-        )
-    shape = space.shape_problem(recipe)
-    if shape:
-        raise PreflightError(f"{shape[0]}: {shape[1]}")
+    problem = space.shape_problem(recipe)  # no split of the devices, or none that fits
+    if problem is not None:
+        field, message = problem.pair()
+        raise PreflightError(f"{field}: {message}")
     return described
