@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -334,13 +334,18 @@ def sized_study_user_attrs(session: Session, sid: int) -> tuple[dict[str, Any], 
     return {key: parse_attr(value) for key, value in rows}, size
 
 
-def study_attrs_of_all(session: Session, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """{study name: {key: value}} of the study user attrs `names`, for every study (one query)."""
+def study_attrs_of_all(
+    session: Session, names: tuple[str, ...], studies: Collection[str] | None = None
+) -> dict[str, dict[str, Any]]:
+    """{study name: {key: value}} of the study user attrs `names`, for every study or only those
+    named in `studies` (one query)."""
     stmt = (
         select(studies_t.c.study_name, study_attrs_t.c.key, study_attrs_t.c.value_json)
         .select_from(studies_t)
         .outerjoin(study_attrs_t, and_(study_attrs_t.c.study_id == studies_t.c.study_id, study_attrs_t.c.key.in_(names)))
     )  # fmt: skip
+    if studies is not None:
+        stmt = stmt.where(studies_t.c.study_name.in_(list(studies)))
     out: dict[str, dict[str, Any]] = {}
     for name, key, value in fetch(session, stmt):
         attrs = out.setdefault(name, {})

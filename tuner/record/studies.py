@@ -13,7 +13,6 @@ from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from tuner.optuna_tables import studies as studies_t
-from tuner.optuna_tables import study_attrs as study_attrs_t
 from tuner.optuna_tables import trials as trials_t
 from tuner.optuna_tables import user_attrs as attrs_t
 from tuner.record import keys
@@ -144,19 +143,10 @@ def job_fingerprints(session: Session, limit: int = 50) -> list[tuple[int, dict[
     ).all()
     if not rows or not has_studies(session):
         return []
-    stmt = (
-        select(studies_t.c.study_name, study_attrs_t.c.key, study_attrs_t.c.value_json)
-        .join(study_attrs_t, study_attrs_t.c.study_id == studies_t.c.study_id)
-        .where(
-            studies_t.c.study_name.in_({name for _, name in rows}),
-            study_attrs_t.c.key.in_((keys.FINGERPRINT, keys.DEVICE_PRIORS)),
-        )
-    )
     from tuner.fingerprint import fingerprint_hash
 
-    attrs: dict[str, dict[str, Any]] = {}
-    for name, key, value in session.execute(stmt):
-        attrs.setdefault(name, {})[key] = parse_attr(value)
+    wanted = (keys.FINGERPRINT, keys.DEVICE_PRIORS)
+    attrs = study_attrs_of_all(session, wanted, {name for _, name in rows})
     out, seen = [], set()
     for job_id, name in rows:
         fp = attrs.get(name, {}).get(keys.FINGERPRINT)
@@ -171,16 +161,8 @@ def study_fingerprint(session: Session, study_name: str) -> tuple[dict[str, Any]
     or ({}, None): two attributes, without reading the study's trials."""
     if not has_studies(session):
         return {}, None
-    rows = session.execute(
-        select(study_attrs_t.c.key, study_attrs_t.c.value_json)
-        .join(studies_t, study_attrs_t.c.study_id == studies_t.c.study_id)
-        .where(
-            studies_t.c.study_name == study_name,
-            study_attrs_t.c.key.in_((keys.FINGERPRINT, keys.FINGERPRINT_HASH)),
-        )
-    )
-    found = {key: parse_attr(value) for key, value in rows}
-    fp, fp_hash = found.get(keys.FINGERPRINT), found.get(keys.FINGERPRINT_HASH)
+    found = study_attrs_of_all(session, (keys.FINGERPRINT, keys.FINGERPRINT_HASH), [study_name])
+    fp, fp_hash = (found.get(study_name, {}).get(k) for k in (keys.FINGERPRINT, keys.FINGERPRINT_HASH))
     if not isinstance(fp, dict):
         return {}, None
     return fp, fp_hash if isinstance(fp_hash, str) else None
