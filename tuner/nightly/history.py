@@ -120,12 +120,16 @@ def judge(
     if previous is None:
         return FIRST_RUN, None
     change = (new - previous) / previous * 100
-    band = max(threshold * 100, noise_pct or 0.0)
-    if change < -band:
+    if change < -band(threshold, noise_pct):
         return REGRESSED, change
-    if change > band:
+    if change > band(threshold, noise_pct):
         return IMPROVED, change
     return UNCHANGED, change
+
+
+def band(threshold: float, noise_pct: float | None) -> float:
+    """The change (percent) a night must leave to count: the threshold, or the noise if wider."""
+    return max(threshold * 100, noise_pct or 0.0)
 
 
 def noise_band(new: float | None, new_ci: float | None, previous: Previous | None) -> float | None:
@@ -194,7 +198,12 @@ def find_previous(
     fingerprint is only used when this one has no history (the report then says so). With
     `recipe_hash`, nights of an edited recipe (another hash under the same name) are not compared
     with; rows recorded before the hash was are."""
-    rows = [r for r in _earlier(recipe_name, night, url) if r.best_tokens_per_s is not None]
+    return _previous(_earlier(recipe_name, night, url), fingerprint_hash, recipe_hash)
+
+
+def _previous(earlier: list[Any], fingerprint_hash: str, recipe_hash: str | None) -> Previous | None:
+    """`find_previous` over the rows `_earlier` read."""
+    rows = [r for r in earlier if r.best_tokens_per_s is not None]
     rows = [r for r in rows if recipe_hash is None or r.recipe_hash in (None, recipe_hash)]
     same = [r for r in rows if r.fingerprint_hash == fingerprint_hash]
     row = (same or rows or [None])[0]
@@ -211,15 +220,15 @@ def find_previous(
     )
 
 
-def judge_drift(o: Outcome, url: str | None) -> None:
-    """An unchanged night whose best lies below the median best of the recipe's earlier nights on
-    the same fingerprint by more than tonight's band is a regression too: a decline of a few
-    percent a night never leaves the band of the night before."""
+def judge_drift(o: Outcome, earlier: list[Any]) -> None:
+    """An unchanged night whose best lies below the median best of the recipe's `earlier` nights
+    (`_earlier`) on the same fingerprint by more than tonight's band is a regression too: a decline
+    of a few percent a night never leaves the band of the night before."""
     if o.verdict != UNCHANGED or o.best_tokens_per_s is None or o.band_pct is None:
         return
     rows = [
         r
-        for r in _earlier(o.recipe, o.night, url)
+        for r in earlier
         if r.best_tokens_per_s is not None
         and r.fingerprint_hash == o.fingerprint_hash
         and r.recipe_hash in (None, o.recipe_hash)
@@ -233,13 +242,9 @@ def judge_drift(o: Outcome, url: str | None) -> None:
         o.verdict = REGRESSED
 
 
-def recipe_changed_since(
-    recipe_name: str, night: dt.date, recipe_hash: str, url: str | None
-) -> dt.date | None:
-    """The latest earlier night of `recipe_name` recorded for another recipe (edited since)."""
-    return next(
-        (r.night for r in _earlier(recipe_name, night, url) if r.recipe_hash not in (None, recipe_hash)), None
-    )
+def recipe_changed_since(earlier: list[Any], recipe_hash: str) -> dt.date | None:
+    """The latest of the `earlier` nights (`_earlier`) recorded for another recipe (edited since)."""
+    return next((r.night for r in earlier if r.recipe_hash not in (None, recipe_hash)), None)
 
 
 def _earlier(recipe_name: str, night: dt.date, url: str | None) -> list[Any]:
@@ -372,7 +377,8 @@ def run_recipe(
         # by its kind.
         said = str(err) if isinstance(err, PreflightError) else f"{type(err).__name__}: {err}"
         tonight = Tonight(None, None, {}, expected_fingerprint_hash or "", error=said)
-    previous = find_previous(recipe.name, night, tonight.fingerprint_hash, db_url, recipe_hash)
+    earlier = _earlier(recipe.name, night, db_url)  # read once: the comparison, drift, edits
+    previous = _previous(earlier, tonight.fingerprint_hash, recipe_hash)
     noise = noise_band(tonight.best_tokens_per_s, tonight.best_ci, previous)
     verdict, change = judge(
         tonight.best_tokens_per_s, previous.best_tokens_per_s if previous else None, threshold, noise
@@ -396,29 +402,35 @@ def run_recipe(
         error=tonight.error,
         recipe_hash=recipe_hash,
         best_ci=tonight.best_ci,
-        band_pct=max(threshold * 100, noise or 0.0) if previous is not None else None,
+        band_pct=band(threshold, noise) if previous is not None else None,
     )
-    judge_drift(outcome, db_url)
+    judge_drift(outcome, earlier)
     if previous is None:
-        outcome.recipe_changed_since = recipe_changed_since(recipe.name, night, recipe_hash, db_url)
+        outcome.recipe_changed_since = recipe_changed_since(earlier, recipe_hash)
     else:
-        outcome.previous_best_ci = previous.best_ci
-        outcome.previous_night = previous.night
-        outcome.previous_best_tokens_per_s = previous.best_tokens_per_s
-        outcome.previous_config = previous.config
-        outcome.previous_fingerprint_hash = previous.fingerprint_hash
-        outcome.fingerprint_changed = bool(tonight.fingerprint_hash) and (
-            previous.fingerprint_hash != tonight.fingerprint_hash
-        )
-        if outcome.fingerprint_changed:
-            keys = sorted(set(previous.fingerprint) | set(tonight.fingerprint))
-            outcome.fingerprint_changes = {
-                k: [previous.fingerprint.get(k), tonight.fingerprint.get(k)]
-                for k in keys
-                if previous.fingerprint.get(k) != tonight.fingerprint.get(k)
-            }
+        _compared(outcome, previous)
     record(outcome, db_url)
     return outcome
+
+
+def _compared(outcome: Outcome, previous: Previous) -> None:
+    """What the outcome says of the night it was compared with, fingerprint changes included
+    (outcome.fingerprint is tonight's)."""
+    outcome.previous_best_ci = previous.best_ci
+    outcome.previous_night = previous.night
+    outcome.previous_best_tokens_per_s = previous.best_tokens_per_s
+    outcome.previous_config = previous.config
+    outcome.previous_fingerprint_hash = previous.fingerprint_hash
+    outcome.fingerprint_changed = bool(outcome.fingerprint_hash) and (
+        previous.fingerprint_hash != outcome.fingerprint_hash
+    )
+    if outcome.fingerprint_changed:
+        before, after = previous.fingerprint, outcome.fingerprint
+        outcome.fingerprint_changes = {
+            k: [before.get(k), after.get(k)]
+            for k in sorted(set(before) | set(after))
+            if before.get(k) != after.get(k)
+        }
 
 
 def exit_code(outcomes: list[Outcome]) -> int:
