@@ -356,12 +356,19 @@ def load_document(text: str, source: str | None = None) -> Any:
         problem = getattr(err, "problem", None) or err
         raise RecipeError([("", f"not valid YAML or JSON{where}: {problem}")], source) from None
     except (ValueError, OverflowError) as err:  # a scalar its tag cannot hold
-        why = "a number of thousands of digits" if "digits" in str(err) else str(err)
-        raise RecipeError([("", f"not valid YAML or JSON: a value cannot be read ({why})")], source) from None
+        why = f"not valid YAML or JSON: a value cannot be read ({_value_reason(err)})"
+        raise RecipeError([("", why)], source) from None
     except RecursionError:
-        raise RecipeError(
-            [("", "not valid YAML or JSON: nested too deeply to be a recipe")], source
-        ) from None
+        raise RecipeError([("", f"not valid YAML or JSON: {TOO_DEEP}")], source) from None
+
+
+TOO_DEEP = "nested too deeply to be a recipe"
+
+
+def _value_reason(err: Exception) -> str:
+    """Why a value cannot be read, as a recipe's author can act on it (Python's own message for a
+    number of thousands of digits names a sys call)."""
+    return "a number of thousands of digits" if "digits" in str(err) else str(err)
 
 
 def load_json(text: str, source: str | None = None) -> Any:
@@ -369,11 +376,12 @@ def load_json(text: str, source: str | None = None) -> Any:
     included, as `load_document` refuses it in YAML)."""
 
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in pairs]
-        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
-        if twice is not None:
-            raise ValueError(f"key {twice!r} is given twice; keep one")
-        return dict(pairs)
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"key {key!r} is given twice; keep one")
+            out[key] = value
+        return out
 
     try:
         return json.loads(text, object_pairs_hook=unique)
@@ -381,10 +389,9 @@ def load_json(text: str, source: str | None = None) -> Any:
         where = f"line {err.lineno}, column {err.colno}"
         raise RecipeError([("body", f"not valid JSON at {where}: {err.msg}")], source) from None
     except ValueError as err:  # a duplicate key, or a number of thousands of digits
-        why = "a number of thousands of digits" if "digits" in str(err) else str(err)
-        raise RecipeError([("body", f"not valid JSON: {why}")], source) from None
+        raise RecipeError([("body", f"not valid JSON: {_value_reason(err)}")], source) from None
     except RecursionError:
-        raise RecipeError([("body", "not valid JSON: nested too deeply to be a recipe")], source) from None
+        raise RecipeError([("body", f"not valid JSON: {TOO_DEEP}")], source) from None
 
 
 def parse_recipe(text: str, source: str | None = None) -> Recipe:

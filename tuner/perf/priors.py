@@ -62,6 +62,9 @@ _PRIORS = {
 }
 
 
+HOST_LINK = (20e9, 10e9)  # bytes/s pinned, pageable: `DevicePriors.host_link`
+
+
 @dataclass(frozen=True)
 class DevicePriors:
     """Prior means of the model's physical coefficients for one device family on one machine."""
@@ -84,7 +87,7 @@ class DevicePriors:
     # bytes/s between a device and host memory for offloaded activations (pinned, pageable):
     # PCIe Gen4 x16 copies run at about 25 GB/s from pinned buffers and half that from pageable
     # ones. Not fitted: no trial here has offloaded (CPU has nothing to offload to).
-    host_link: tuple[float, float] = (20e9, 10e9)
+    host_link: tuple[float, float] = HOST_LINK
 
     def to_dict(self) -> dict[str, Any]:
         """For a study attribute (`keys.DEVICE_PRIORS`): what the devices a study ran on measured
@@ -162,7 +165,7 @@ def recorded_priors(value: Any, family: str) -> DevicePriors | None:
         return None
     fields = {f.name for f in dataclasses.fields(DevicePriors)}
     kept = {k: v for k, v in value.items() if k in fields}
-    peaks, link = kept.get("peak_flops"), kept.get("host_link", (20e9, 10e9))
+    peaks, link = kept.get("peak_flops"), kept.get("host_link", HOST_LINK)
     numbers = [v for k, v in kept.items() if k not in ("family", "peak_flops", "host_link")]
     if not isinstance(peaks, dict) or not isinstance(link, list | tuple) or len(link) != 2:
         return None
