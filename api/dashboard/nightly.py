@@ -9,6 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from tuner.db import NightlyResult
+from tuner.nightly.history import fingerprint_changes
 
 # The fingerprint keys people look at first when throughput moves; the rest follow.
 WATCHED = (
@@ -29,12 +30,10 @@ def recipe_history(session: Session, recipe_name: str) -> dict[str, Any]:
     rows.reverse()
     nights, previous = [], None
     for row in rows:
-        if row.fingerprint_changes is not None:  # what the report said, against the night it compared
-            changes = [
-                {"key": k, "before": a, "after": b} for k, (a, b) in _watched_first(row.fingerprint_changes)
-            ]
-        else:  # rows from before that was recorded: against the last night that measured a best
-            changes = _changes(previous.fingerprint if previous else None, row.fingerprint or {})
+        said = row.fingerprint_changes  # what the report said, against the night it compared
+        if said is None:  # rows from before that was recorded: against the last night that measured a best
+            said = fingerprint_changes(previous.fingerprint, row.fingerprint or {}) if previous else {}
+        changes = [{"key": k, "before": a, "after": b} for k, (a, b) in _watched_first(said)]
         regression = row.verdict == "regression"
         nights.append(
             {
@@ -65,15 +64,3 @@ def recipe_history(session: Session, recipe_name: str) -> dict[str, Any]:
 def _watched_first(changes: dict[str, Any]) -> list[tuple[str, tuple[Any, Any]]]:
     order = [k for k in WATCHED if k in changes] + sorted(set(changes) - set(WATCHED))
     return [(k, tuple(changes[k])) for k in order]
-
-
-def _changes(before: dict[str, Any] | None, after: dict[str, Any]) -> list[dict[str, Any]]:
-    if before is None:
-        return []
-    keys = [k for k in WATCHED if k in before or k in after]
-    keys += sorted((set(before) | set(after)) - set(WATCHED))
-    return [
-        {"key": k, "before": before.get(k), "after": after.get(k)}
-        for k in keys
-        if before.get(k) != after.get(k)
-    ]

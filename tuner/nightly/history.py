@@ -425,12 +425,17 @@ def _compared(outcome: Outcome, previous: Previous) -> None:
         previous.fingerprint_hash != outcome.fingerprint_hash
     )
     if outcome.fingerprint_changed:
-        before, after = previous.fingerprint, outcome.fingerprint
-        outcome.fingerprint_changes = {
-            k: [before.get(k), after.get(k)]
-            for k in sorted(set(before) | set(after))
-            if before.get(k) != after.get(k)
-        }
+        outcome.fingerprint_changes = fingerprint_changes(previous.fingerprint, outcome.fingerprint)
+
+
+def fingerprint_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[Any]]:
+    """{key: [before, after]} for what differs between two fingerprints, keys sorted: what the
+    report names and the dashboard's history shows."""
+    return {
+        k: [before.get(k), after.get(k)]
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k)
+    }
 
 
 def exit_code(outcomes: list[Outcome]) -> int:
