@@ -9,6 +9,7 @@ from fastapi import Path
 from pydantic import BaseModel, Field
 
 from tuner.db import Job, JobState
+from tuner.nightly.tuners import history_name
 from tuner.record.studies import StudyListing
 from tuner.worker.wording import one_line, progress_line
 
@@ -36,6 +37,10 @@ def _utc(value: dt.datetime | None) -> dt.datetime | None:
 class JobPublic(BaseModel):
     id: int
     name: str
+    history_name: str = Field(
+        description="The name its recipe's nightly history is kept under: `name` without a nightly "
+        "run's `@nightly-<night>` tag (the dashboard's /ui/recipes/<history_name>)."
+    )
     state: JobState
     recipe_hash: str
     study_name: str | None
@@ -64,6 +69,7 @@ class JobPublic(BaseModel):
         return cls(
             id=job.id,
             name=job.recipe_name,
+            history_name=history_name(job.recipe_name),
             state=job.state,
             recipe_hash=job.recipe_hash,
             study_name=job.study_name,

@@ -362,6 +362,18 @@ def test_recipe_history_marks_regressions_and_what_changed(client, db):
     assert data["nights"][2]["changes"] == []
 
 
+def test_a_recipe_name_with_a_slash_has_its_history_page(client, db):
+    """Recipe names are free text: one with a slash (sent as %2F, which the server decodes before
+    routing) still reaches its history and its page."""
+    with session_scope(db["url"]) as s:
+        s.add(NightlyResult(recipe_name="team/gpt tiny", night=dt.date(2026, 11, 1), fingerprint_hash="f",
+                            fingerprint={}, best_tokens_per_s=1000.0, verdict="first_run"))  # fmt: skip
+    data = _get(client, db, "/ui/api/recipes/team%2Fgpt%20tiny/history")
+    assert [n["best_tokens_per_s"] for n in data["nights"]] == [1000.0]
+    page = client.get("/ui/recipes/team%2Fgpt%20tiny")
+    assert page.status_code == 200 and "recipe.js" in page.text
+
+
 def test_a_regression_after_a_failed_night_names_what_changed_since_the_night_it_was_judged_by(client, db):
     """Night 2 failed (no fingerprint measured); night 3 regressed against night 1 on the same
     machine: the history shows nothing changed, as the report said, not night 2's empty record."""

@@ -129,6 +129,9 @@ def test_every_run_of_a_night_gets_its_own_study_and_job_name_from_one_rule():
     jobs = [nl.nightly_job_name(RECIPE, NIGHT2, run) for run in (1, 2, 3)]
     assert local[0].endswith("-nightly-2026-11-28") and local[1:] == [local[0] + "-run2", local[0] + "-run3"]
     assert jobs == [f"gpt-nightly@nightly-2026-11-28{s}" for s in ("", "-run2", "-run3")]
+    # The dashboard links each job to the recipe's nightly history, kept under the recipe's name.
+    assert {nl.history_name(job) for job in jobs} == {RECIPE.name}
+    assert nl.history_name("team/gpt@v2") == "team/gpt@v2"
     for name in local:
         check_study_name(name)  # study names name build directories
     # The service's study name is the job's name, then the recipe hash and the fingerprint hash.
@@ -195,11 +198,59 @@ def test_a_rerun_that_failed_before_opening_a_study_keeps_the_count(db_url):
 
     failed = run(db_url, NIGHT2, boom)
     assert (failed.run, failed.verdict, failed.study_name) == (3, "failed", None)
+    assert nl.exit_code([failed]) == 1  # tonight's report says the re-run failed
     with session_scope(db_url) as s:
         row = s.scalar(select(NightlyResult).where(NightlyResult.night == NIGHT2))
-        # The night's trials are still run 2's, so the next re-run never lands in a finished study.
-        assert (row.verdict, row.best_tokens_per_s, row.study_name) == ("failed", None, second.study_name)
+        # The night keeps run 2's measured result, and its trials are still run 2's, so the next
+        # re-run never lands in a finished study.
+        assert (row.verdict, row.best_tokens_per_s, row.study_name) == (
+            second.verdict,
+            1000.0,
+            second.study_name,
+        )
     assert nl.tonight_run(RECIPE.name, NIGHT2, db_url) == 3
+
+
+def test_a_failed_rerun_keeps_the_nights_result_for_the_next_night(db_url):
+    """A re-run that crashes must not wipe the night it re-ran: the next night is compared with
+    that night's measured best, not with an older one (which would hide a regression)."""
+    run(db_url, NIGHT1, named(1000.0, NIGHT1))
+    run(db_url, NIGHT2, named(1300.0, NIGHT2))
+
+    def opened_then_failed(recipe, enqueue, run):
+        return nl.Tonight(
+            None, None, {}, "fp", study_name=f"gpt-tiny-nightly-{NIGHT2}-run{run}", error="ray lost"
+        )
+
+    failed = run(db_url, NIGHT2, opened_then_failed)
+    assert failed.verdict == "failed"
+    night3 = run(db_url, NIGHT3, named(1010.0, NIGHT3))
+    assert (night3.previous_night, night3.verdict, round(night3.change_pct)) == (NIGHT2, "regression", -22)
+    # The failed run 2 opened a study: a further re-run comes after it, in a study of its own.
+    assert failed.run == 2
+    assert nl.tonight_run(RECIPE.name, NIGHT2, db_url) == 3
+
+
+def test_last_nights_best_remeasured_tonight_is_given_as_tonights_best_is(db_url):
+    """The report sets last night's best config, measured again tonight, beside tonight's best:
+    both are the median over the trial and its re-measurements, not its first run against a median."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import create_trial
+
+    from tuner.nightly.tuners import _measured
+    from tuner.space import config_from_params, trial_params
+    from tuner.summary import summarize
+
+    config = {"micro_batch_size": 4, "dp": 1}
+    params = trial_params(config_from_params(config))
+    study = optuna.create_study(study_name="n-nightly", storage=db_url, direction="maximize")
+    attrs = {"status": "ok", "tokens_per_s": 950.0, "step_time_ci": 0.01}
+    dists = {k: CategoricalDistribution([v]) for k, v in params.items()}
+    study.add_trial(create_trial(params=params, distributions=dists, value=950.0, user_attrs=attrs))
+    study.set_user_attr("remeasured:0", [1010.0, 1000.0])
+    assert summarize("n-nightly", db_url).best.tokens_per_s == 1000.0
+    assert _measured("n-nightly", db_url, [config]) == 1000.0
 
 
 def test_local_rerun_measures_again_in_a_fresh_study(db_url, monkeypatch):
@@ -373,6 +424,37 @@ def test_a_slow_decline_within_each_nights_band_is_a_regression_against_the_earl
     )
 
 
+def test_a_night_that_recovers_part_of_a_regression_is_still_one(db_url):
+    """Above the night before, but still far below the recent nights: the regression stays
+    flagged until the recipe is back within the band of its history."""
+    nights = [NIGHT1 + dt.timedelta(days=d) for d in range(5)]
+    outs = [
+        run(db_url, n, fixed(best, FP_A, ci=0.01))
+        for n, best in zip(nights, (1000, 1000, 1000, 700, 750), strict=True)
+    ]
+    assert outs[3].verdict == "regression"
+    last = outs[4]
+    assert round(last.change_pct, 1) == 7.1 and last.drift_pct == pytest.approx(-25.0)
+    assert last.verdict == "regression" and nl.exit_code([last]) == 1
+    md = nl.render_markdown([last], nights[4], 0.05)
+    assert "Still below the recent nights: tonight's best is -25.0%" in md and "above the night before" in md
+
+
+def test_a_narrowed_search_space_is_an_edited_recipe_not_a_regression(db_url):
+    """The nightly compares the best over the whole space: narrowing it (no compile, say) can lower
+    the best with nothing regressed, so it starts the recipe's history like any other edit."""
+    run(db_url, NIGHT1, fixed(1000.0, FP_A, mbs=8))
+    doc = RECIPE.to_dict()
+    narrowed = recipe_from_dict({**doc, "search": {**doc["search"], "overrides": {"compile": ["none"]}}})
+    assert narrowed.hash() == RECIPE.hash() and nl.night_key(narrowed) != nl.night_key(RECIPE)
+    # A recipe at the default space keys as its nights were stored before the space counted.
+    assert nl.night_key(RECIPE) == RECIPE.hash()
+    out = nl.run_recipe(
+        narrowed, "r.yaml", night=NIGHT2, threshold=0.05, tune=fixed(800.0, FP_A), db_url=db_url
+    )
+    assert (out.verdict, out.recipe_changed_since) == ("first_run", NIGHT1) and nl.exit_code([out]) == 0
+
+
 def test_an_edited_recipe_starts_its_own_history_under_the_same_name(db_url):
     """A recipe edited between nights (another model) is not judged against the old one's best,
     nor warm-started from its configs; the report says why there is nothing to compare."""
@@ -417,8 +499,30 @@ def test_seconds_until_next_daily_start():
     now = dt.datetime(2026, 11, 29, 1, 30)
     assert nl.seconds_until("02:00", now) == 30 * 60
     assert nl.seconds_until("01:00", now) == 23.5 * 3600
+    assert nl.next_start("01:00", now) == dt.datetime(2026, 11, 30, 1, 0)
     with pytest.raises(nl.NightlyError, match="--daily-at"):
         nl.seconds_until("25:00", now)
+
+
+@pytest.fixture
+def berlin_time(monkeypatch):
+    import time
+
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_a_daily_start_across_a_clock_change_wakes_on_the_hour_for_the_night_scheduled(berlin_time):
+    """The night clocks go forward is 23 hours long: sleeping a wall-clock day from 23:30 would wake
+    at 00:30, a night late, and run that night twice while skipping the one scheduled."""
+    now = dt.datetime(2026, 3, 28, 23, 30)  # Saturday 23:30 CET; at 02:00 on Sunday it is 03:00 CEST
+    assert nl.next_start("23:30", now) == dt.datetime(2026, 3, 29, 23, 30)
+    assert nl.seconds_until("23:30", now) == 23 * 3600
+    autumn = dt.datetime(2026, 10, 24, 23, 30)  # the night clocks go back is 25 hours long
+    assert nl.seconds_until("23:30", autumn) == 25 * 3600
 
 
 def invoke(args, **kw):

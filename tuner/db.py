@@ -131,8 +131,9 @@ class NightlyResult(Base):
     # Relative half-width of the best's 95% interval (`Ranked.ci`): the noise the next night's
     # verdict allows for. None: not measured with intervals (older rows, or a failed night).
     best_ci: Mapped[float | None] = mapped_column(Float)
-    # `Recipe.hash()` (name and budget excluded): a night is compared only with nights of the same
-    # recipe. None: recorded before the hash was (compared, as then).
+    # `nightly.history.night_key` (`Recipe.hash()`, name and budget excluded, and the search space
+    # where it is not the default): a night is compared only with nights of the same recipe and
+    # space. None: recorded before the hash was (compared, as then).
     recipe_hash: Mapped[str | None] = mapped_column(String(64))
     # The night this one was compared with and what differed in the fingerprint between the two
     # ({key: [before, after]}), as the report said them.

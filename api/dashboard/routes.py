@@ -67,7 +67,7 @@ def read_compare_page():
     return _page("compare.html")
 
 
-@pages.get("/recipes/{recipe_name}")
+@pages.get("/recipes/{recipe_name:path}")
 def read_recipe_page(recipe_name: str):
     return _page("recipe.html")
 
@@ -238,7 +238,7 @@ def read_comparison(
     }
 
 
-@data.get("/recipes/{recipe_name}/history")
+@data.get("/recipes/{recipe_name:path}/history")
 def read_recipe_history(recipe_name: str, session: SessionDep, _: ReadAuth):
     """Best tokens/s per nightly run, with regressions and the fingerprint changes next to them."""
     return nightly.recipe_history(session, recipe_name)

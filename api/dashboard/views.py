@@ -35,6 +35,7 @@ def study_header(study: StudyRecord) -> dict[str, Any]:
         "kind": "study",
         "study_name": study.study_name,
         "name": str(recipe.get("name") or study.study_name),
+        "history_name": str(recipe.get("name") or study.study_name),
         "state": "running" if running else "finished",
         "trials_done": finished,
         "trials_total": finished,

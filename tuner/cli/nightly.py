@@ -145,13 +145,18 @@ def nightly(
     if daily_at is None:
         raise typer.Exit(one_pass(tonight))
     while True:  # the compose `nightly` service: a cron without cron
-        wait = nl.seconds_until(daily_at, dt.datetime.now())
+        now = dt.datetime.now()
+        start = nl.next_start(daily_at, now)
+        wait = nl.seconds_until(daily_at, now)
         hours, minutes = divmod(round(wait / 60), 60)
         err_console.print(f"next nightly pass at {daily_at} (in {hours} h {minutes} min)")
-        time.sleep(wait)
+        time.sleep(max(0.0, wait))
         try:
             found = nl.find_recipes(recipes)  # recipes may be edited between nights
-            code = one_pass(dt.date.today())
+            # The night is the one scheduled, not the date on waking: a sleep that ends a second
+            # early before midnight, or an hour off on a daylight-saving night, must neither skip
+            # a night nor run one twice.
+            code = one_pass(start.date())
         except nl.NightlyError as err:
             err_console.print(f"[bold red]error:[/] {err}", highlight=False)
             code = 2

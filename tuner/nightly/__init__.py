@@ -4,19 +4,11 @@ against the previous night's, keep one history row per recipe per night, and wri
 `tuner nightly` (tuner/cli/nightly.py) is the command; these are its parts."""
 
 from tuner.nightly.history import (
-    FAILED,
-    FIRST_RUN,
-    IMPROVED,
-    REGRESSED,
-    UNCHANGED,
-    VERDICTS,
     Outcome,
     Previous,
     Tonight,
     Tune,
-    exit_code,
     find_previous,
-    judge,
     parse_run,
     previous_night_configs,
     record,
@@ -24,14 +16,33 @@ from tuner.nightly.history import (
     run_tag,
     tonight_run,
 )
-from tuner.nightly.inputs import NightlyError, find_recipes, parse_night, parse_threshold, seconds_until
+from tuner.nightly.inputs import (
+    NightlyError,
+    find_recipes,
+    next_start,
+    parse_night,
+    parse_threshold,
+    seconds_until,
+)
 from tuner.nightly.report import render_markdown, write_report
 from tuner.nightly.tuners import (
     ServiceError,
     api_tuner,
+    history_name,
     local_tuner,
     nightly_job_name,
     nightly_study_name,
+)
+from tuner.nightly.verdict import (
+    FAILED,
+    FIRST_RUN,
+    IMPROVED,
+    REGRESSED,
+    UNCHANGED,
+    VERDICTS,
+    exit_code,
+    judge,
+    night_key,
 )
 
 __all__ = [
@@ -52,7 +63,9 @@ __all__ = [
     "find_previous",
     "find_recipes",
     "judge",
+    "night_key",
     "local_tuner",
+    "history_name",
     "nightly_job_name",
     "nightly_study_name",
     "parse_night",
@@ -62,6 +75,7 @@ __all__ = [
     "render_markdown",
     "run_recipe",
     "run_tag",
+    "next_start",
     "seconds_until",
     "tonight_run",
     "previous_night_configs",

@@ -6,27 +6,20 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import re
-import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tuner.nightly.verdict import (
+    band,
+    judge,
+    judge_drift,
+    night_key,
+    noise_band,
+)
 from tuner.recipe import Recipe
 
-# Verdicts, as stored in nightly_results.verdict and the JSON report ("regression" is the word the
-# dashboard's history page looks for).
-IMPROVED, UNCHANGED, REGRESSED, FIRST_RUN, FAILED = (
-    "improved",
-    "unchanged",
-    "regression",
-    "first_run",
-    "failed",
-)
-VERDICTS = (IMPROVED, UNCHANGED, REGRESSED, FIRST_RUN, FAILED)
 DEFAULT_TOP_K = 3
-# A night is also judged against the median best of this many earlier nights (at least
-# MIN_DRIFT_NIGHTS of them): each night within the band of the one before can still add up.
-DRIFT_NIGHTS, MIN_DRIFT_NIGHTS = 7, 3
 
 
 @dataclass
@@ -109,40 +102,6 @@ class Outcome:
         return d
 
 
-def judge(
-    new: float | None, previous: float | None, threshold: float, noise_pct: float | None = None
-) -> tuple[str, float | None]:
-    """(verdict, change in percent). A change inside the band is unchanged: +-threshold, or the
-    two nights' measurement noise (`noise_band`) where that is wider, so a machine whose runs
-    differ by more than the threshold does not raise a regression on a night nothing changed."""
-    if new is None:
-        return FAILED, None
-    if previous is None:
-        return FIRST_RUN, None
-    change = (new - previous) / previous * 100
-    if change < -band(threshold, noise_pct):
-        return REGRESSED, change
-    if change > band(threshold, noise_pct):
-        return IMPROVED, change
-    return UNCHANGED, change
-
-
-def band(threshold: float, noise_pct: float | None) -> float:
-    """The change (percent) a night must leave to count: the threshold, or the noise if wider."""
-    return max(threshold * 100, noise_pct or 0.0)
-
-
-def noise_band(new: float | None, new_ci: float | None, previous: Previous | None) -> float | None:
-    """The 95% interval of tonight's best minus the compared night's, in percent of the latter
-    (`ranking.difference_half_width`, the tie rule's); None when either night has no interval."""
-    if new is None or new_ci is None or previous is None or previous.best_ci is None:
-        return None
-    from tuner.record.ranking import difference_half_width
-
-    width = difference_half_width(new, new_ci, previous.best_tokens_per_s, previous.best_ci)
-    return width / previous.best_tokens_per_s * 100
-
-
 def run_tag(night: dt.date, run: int = 1) -> str:
     """The one naming rule for a run of a night: `nightly-<night>` for the first, `nightly-<night>-run<N>`
     for the N-th. The local tuner appends it to the study name, the REST tuner to the job name (which
@@ -220,28 +179,6 @@ def _previous(earlier: list[Any], fingerprint_hash: str, recipe_hash: str | None
     )
 
 
-def judge_drift(o: Outcome, earlier: list[Any]) -> None:
-    """An unchanged night whose best lies below the median best of the recipe's `earlier` nights
-    (`_earlier`) on the same fingerprint by more than tonight's band is a regression too: a decline
-    of a few percent a night never leaves the band of the night before."""
-    if o.verdict != UNCHANGED or o.best_tokens_per_s is None or o.band_pct is None:
-        return
-    rows = [
-        r
-        for r in earlier
-        if r.best_tokens_per_s is not None
-        and r.fingerprint_hash == o.fingerprint_hash
-        and r.recipe_hash in (None, o.recipe_hash)
-    ][:DRIFT_NIGHTS]
-    if len(rows) < MIN_DRIFT_NIGHTS:
-        return
-    reference = statistics.median(r.best_tokens_per_s for r in rows)
-    o.drift_reference_tokens_per_s, o.drift_nights = reference, len(rows)
-    o.drift_pct = (o.best_tokens_per_s - reference) / reference * 100
-    if o.drift_pct < -o.band_pct:
-        o.verdict = REGRESSED
-
-
 def recipe_changed_since(earlier: list[Any], recipe_hash: str) -> dt.date | None:
     """The latest of the `earlier` nights (`_earlier`) recorded for another recipe (edited since)."""
     return next((r.night for r in earlier if r.recipe_hash not in (None, recipe_hash)), None)
@@ -264,7 +201,8 @@ def _earlier(recipe_name: str, night: dt.date, url: str | None) -> list[Any]:
 
 
 def record(outcome: Outcome, url: str | None) -> None:
-    """Insert or update the (recipe, night) row: re-running a night replaces its result."""
+    """Insert or update the (recipe, night) row: re-running a night replaces its result, unless
+    the re-run failed and the night already holds a measured one."""
     from sqlalchemy import select
 
     from tuner.db import NightlyResult, session_scope, utcnow
@@ -291,15 +229,22 @@ def record(outcome: Outcome, url: str | None) -> None:
         )
         if row is None:
             session.add(NightlyResult(recipe_name=outcome.recipe, night=outcome.night, **values))
-        else:
-            if outcome.study_name is None:
-                # This run failed before it opened a study, so it measured nothing: the night's
-                # trials are still in the study the row names, and `tonight_run` numbers the next
-                # re-run after it (forgetting it would let a later re-run reuse a finished study).
-                values["study_name"] = row.study_name
-            for key, value in values.items():
-                setattr(row, key, value)
-            row.created_at = utcnow()
+            return
+        if outcome.best_tokens_per_s is None and row.best_tokens_per_s is not None:
+            # A re-run that measured nothing keeps the night's measured result (later nights are
+            # compared with it, and warm-start from its config); the report says the re-run
+            # failed. Only a study it opened is noted, so `tonight_run` numbers the next re-run
+            # after it.
+            row.study_name = outcome.study_name or row.study_name
+            return
+        if outcome.study_name is None:
+            # This run failed before it opened a study, so it measured nothing: the night's
+            # trials are still in the study the row names, and `tonight_run` numbers the next
+            # re-run after it (forgetting it would let a later re-run reuse a finished study).
+            values["study_name"] = row.study_name
+        for key, value in values.items():
+            setattr(row, key, value)
+        row.created_at = utcnow()
 
 
 def previous_night_configs(
@@ -364,7 +309,7 @@ def run_recipe(
     `expected_fingerprint_hash` picks the warm start when the history holds several fingerprints;
     the comparison uses the fingerprint tonight's trials actually ran on.
     """
-    recipe_hash = recipe.hash()
+    recipe_hash = night_key(recipe)
     warm_from = find_previous(recipe.name, night, expected_fingerprint_hash or "", db_url, recipe_hash)
     enqueue = previous_night_configs(warm_from, db_url, top_k)
     run = tonight_run(recipe.name, night, db_url)
@@ -436,8 +381,3 @@ def fingerprint_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[s
         for k in sorted(set(before) | set(after))
         if before.get(k) != after.get(k)
     }
-
-
-def exit_code(outcomes: list[Outcome]) -> int:
-    """1 when any recipe regressed beyond the threshold or failed (cron mail, CI), else 0."""
-    return 1 if any(o.verdict in (REGRESSED, FAILED) for o in outcomes) else 0

@@ -37,15 +37,23 @@ def parse_night(text: str | None) -> dt.date:
         raise NightlyError(f"--night {text!r}: expected a date like 2026-11-29 (YYYY-MM-DD)") from None
 
 
-def seconds_until(hhmm: str, now: dt.datetime) -> float:
-    """Seconds from `now` to the next wall-clock HH:MM (tomorrow's when today's has passed)."""
+def next_start(hhmm: str, now: dt.datetime) -> dt.datetime:
+    """The next local wall-clock HH:MM after `now` (naive local time; tomorrow's when today's has
+    passed). Its date is the night that pass runs for, whenever the sleep ends."""
     m = re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)", hhmm.strip())
     if not m:
         raise NightlyError(f"--daily-at {hhmm!r}: expected a time like 02:00 (24-hour HH:MM)")
     target = now.replace(hour=int(m.group(1)), minute=int(m.group(2)), second=0, microsecond=0)
     if target <= now:
         target += dt.timedelta(days=1)
-    return (target - now).total_seconds()
+    return target
+
+
+def seconds_until(hhmm: str, now: dt.datetime) -> float:
+    """Seconds from `now` to `next_start`, in real time: both are naive local times, and their
+    POSIX timestamps count a daylight-saving change between them (a wall-clock difference would
+    wake an hour off on those nights)."""
+    return next_start(hhmm, now).timestamp() - now.timestamp()
 
 
 def find_recipes(path: Path) -> list[tuple[Path, Recipe]]:

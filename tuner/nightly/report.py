@@ -7,7 +7,8 @@ import datetime as dt
 import json
 from pathlib import Path
 
-from tuner.nightly.history import FAILED, REGRESSED, VERDICTS, Outcome, exit_code
+from tuner.nightly.history import Outcome
+from tuner.nightly.verdict import FAILED, REGRESSED, VERDICTS, exit_code
 
 
 def _rate(value: float | None) -> str:
@@ -72,11 +73,13 @@ def _section(o: Outcome, threshold: float) -> list[str]:
             f"±{o.band_pct:.1f}%, not ±{threshold * 100:g}%.",
         ]
     if o.verdict == REGRESSED and o.drift_pct is not None and o.drift_pct < -(o.band_pct or 0):
+        recovered = (o.change_pct or 0) > (o.band_pct or 0)
         lines += [
             "",
-            f"A slow decline: tonight's best is {o.drift_pct:+.1f}% from the median best of the last "
-            f"{o.drift_nights} nights ({_rate(o.drift_reference_tokens_per_s)} tokens/s), beyond the "
-            f"±{o.band_pct:.1f}% band, though within it of the night before.",
+            f"{'Still below the recent nights' if recovered else 'A slow decline'}: tonight's best is "
+            f"{o.drift_pct:+.1f}% from the median best of the last {o.drift_nights} nights "
+            f"({_rate(o.drift_reference_tokens_per_s)} tokens/s), beyond the ±{o.band_pct:.1f}% band, "
+            f"though {'above' if recovered else 'within it of'} the night before.",
         ]
     if o.recipe_changed_since:
         lines += [

@@ -41,6 +41,14 @@ def nightly_job_name(recipe: Recipe, night: dt.date, run: int = 1) -> str:
     return f"{name}@{tag}"
 
 
+def history_name(job_name: str) -> str:
+    """The recipe name a job's nightly history is kept under: `nightly_job_name`'s `@<run tag>`
+    taken off (a name it cut to fit keeps its cut). Any other job's name is its own."""
+    import re
+
+    return re.sub(r"@nightly-\d{4}-\d{2}-\d{2}(?:-run\d+)?$", "", job_name)
+
+
 def local_tuner(
     *,
     night: dt.date,
@@ -133,10 +141,12 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _measured(study_name: str, storage_url: str | None, configs: list[dict[str, Any]]) -> float | None:
-    """Tonight's tokens/s of the first of `configs` (last night's best), if it ran."""
+    """Tonight's tokens/s of the first of `configs` (last night's best), if it ran: the median over
+    its trial and re-measurements (`config_throughput`), the figure tonight's best is given in."""
     if not configs:
         return None
     from tuner.db import session_scope
+    from tuner.record.ranking import config_throughput
     from tuner.record.reader import read_study
     from tuner.space import config_from_params
 
@@ -146,7 +156,7 @@ def _measured(study_name: str, storage_url: str | None, configs: list[dict[str, 
     for t in study.trials if study else []:
         config = t.config()
         if t.completed and t.tokens_per_s and config is not None and config.key() == want:
-            return t.tokens_per_s
+            return config_throughput(t.tokens_per_s, study.remeasured.get(t.number, []))
     return None
 
 
@@ -220,7 +230,10 @@ def api_tuner(
                 tonight.fingerprint, tonight.fingerprint_hash = best["fingerprint"], best["fingerprint_hash"]
             tonight.best_tokens_per_s, tonight.config = best["tokens_per_s"], best["config"]
             tonight.best_ci = best.get("interval")
-            if enqueue:
+            if enqueue and _same_config(enqueue[0], best["config"]):
+                # The winner again: its figure is the median over its re-measurements too.
+                tonight.remeasured_previous_tokens_per_s = best["tokens_per_s"]
+            elif enqueue:
                 ok = _call(client, "GET", f"/v1/jobs/{job['id']}/trials", params={"status": OK, "limit": 500})
                 tonight.remeasured_previous_tokens_per_s = _tokens_of(enqueue[0], ok["items"])
             return tonight
@@ -245,16 +258,17 @@ def _give_up(client: Any, job: dict[str, Any], allowed_min: float) -> str:
 
 def _tokens_of(config: dict[str, Any], trials: list[dict[str, Any]]) -> float | None:
     """tokens/s of the trial (if any) that measured `config`."""
+    return next((t["tokens_per_s"] for t in trials if _same_config(config, t["config"])), None)
+
+
+def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two configs as stored or served set the same knobs (a config no longer valid is none)."""
     from tuner.space import config_from_params
 
-    want = config_from_params(config).key()
-    for t in trials:
-        try:
-            if config_from_params(t["config"]).key() == want:
-                return t["tokens_per_s"]
-        except ValueError:
-            continue
-    return None
+    try:
+        return config_from_params(a).key() == config_from_params(b).key()
+    except (ValueError, TypeError):
+        return False
 
 
 def _call(client: Any, method: str, path: str, **kwargs: Any) -> dict[str, Any]:

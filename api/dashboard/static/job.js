@@ -49,7 +49,7 @@ async function loadOverview() {
   }
   const { job, best, speedup, build, failures } = overview;
   document.title = isJob ? `#${job.id} ${job.name} · tuner` : `${job.name} (study) · tuner`;
-  const recipe = el("a", { href: `/ui/recipes/${encodeURIComponent(job.name)}` }, job.name);
+  const recipe = el("a", { href: `/ui/recipes/${encodeURIComponent(job.history_name)}` }, job.name);
   $("job-header").replaceChildren(...[
     el("h1", {}, isJob ? `Job #${job.id}: ` : "Study: ", recipe, " ", badge(job.state)),
     isJob ? null : el("p", { class: "muted" }, `${job.study_name} · not a job of this service (run by tuner tune or the nightly)`),

@@ -48,7 +48,7 @@ function jobRow(job) {
   const total = job.trials_total || 0;
   return el("tr", { dataset: { jobId: job.id, state: job.state } },
     el("td", {}, el("a", { href: `/ui/jobs/${job.id}` }, `#${job.id}`)),
-    el("td", {}, el("a", { href: `/ui/recipes/${encodeURIComponent(job.name)}` }, job.name)),
+    el("td", {}, el("a", { href: `/ui/recipes/${encodeURIComponent(job.history_name)}` }, job.name)),
     el("td", {}, badge(job.state)),
     el("td", { class: "progress" }, el("progress", { max: total || 1, value: job.trials_done }), ` ${job.progress}`),
     el("td", { class: "num" }, num(job.best_tokens_per_s)),

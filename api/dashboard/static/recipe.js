@@ -3,7 +3,8 @@
 import { api, el, num, showError } from "./common.js";
 
 const $ = (id) => document.getElementById(id);
-const name = decodeURIComponent(location.pathname.split("/").filter(Boolean).pop());
+// Everything after /recipes/: a recipe name may hold a slash (sent as %2F, which the path keeps).
+const name = decodeURIComponent(location.pathname.replace(/^.*?\/recipes\//, "").replace(/\/+$/, ""));
 $("recipe-title").textContent = `Nightly history: ${name}`;
 
 function changesText(changes) {
