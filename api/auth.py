@@ -27,7 +27,11 @@ def create_token(session: Session, name: str) -> str:
     """Store a new token under `name` and return the token itself (the only time it exists)."""
     if not _NAME.match(name):
         raise TokenError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (at most 100)")
-    if session.scalar(select(ApiToken).where(ApiToken.name == name)) is not None:
+    existing = session.scalar(select(ApiToken).where(ApiToken.name == name))
+    if existing is not None and existing.revoked_at is not None:
+        raise TokenError(f"--name {name!r}: a revoked token keeps its name (so the list still shows "
+                         f"when it was revoked); pick another name, e.g. a version: {name}-2")  # fmt: skip
+    if existing is not None:
         raise TokenError(f"--name {name!r}: a token with this name exists; revoke it or pick another name")
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     session.add(ApiToken(name=name, token_sha256=hash_token(token)))

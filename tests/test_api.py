@@ -181,6 +181,12 @@ def test_a_recipe_naming_python_code_is_refused(client, auth, text, field):
         (TINY + "x: !!int 'abc'\n", "", "cannot be read"),
         ("[" * 5000 + "]" * 5000, "", "nested too deeply"),
         (TINY + "name: again\n", "", "key 'name' is given twice"),
+        (TINY + "? [a, b]\n: 2\n", "", "a key is a name"),
+        (
+            TINY.replace("trials: 3", "trials: 3, overrides: {tp: [.inf]}"),
+            "search.overrides.tp",
+            "not an integer",
+        ),
         # Infinity is no budget and no time limit; a seed beyond what samplers take.
         (
             TINY.replace("devices: 1", "devices: 1, memory_budget_gb: .inf"),
@@ -233,6 +239,15 @@ def test_unknown_search_space_or_override_is_refused_at_submit(client, auth):
     assert "choose from" in message and "GET /v1/search-spaces" in message and "edit" not in message
 
 
+def _json_with(overrides: dict) -> str:
+    doc = yaml.safe_load(TINY)
+    doc["search"]["overrides"] = overrides
+    return json.dumps(doc).replace('"TP"', "1e400")  # JSON's way to infinity: a number too large
+
+
+TINY_JSON_INF_TP = _json_with({"tp": ["TP"]})
+
+
 def test_json_bodies_are_read_as_a_recipe_file_is(client, auth):
     doc = yaml.safe_load(TINY)
     resp = _submit(client, auth, "\ufeff" + json.dumps(doc), "application/json")  # a byte-order mark
@@ -241,6 +256,8 @@ def test_json_bodies_are_read_as_a_recipe_file_is(client, auth):
     assert resp.status_code == 422 and "'name' is given twice" in _fields(resp)["body"]
     resp = _submit(client, auth, '{"name": "a",\n "model": }', "application/json")
     assert resp.status_code == 422 and _fields(resp)["body"].startswith("not valid JSON at line 2, column")
+    resp = _submit(client, auth, TINY_JSON_INF_TP, "application/json")
+    assert resp.status_code == 422 and "not an integer" in _fields(resp)["search.overrides.tp"]
     resp = _submit(client, auth, '{"search": {"seed": ' + "9" * 5000 + "}}", "application/json")
     assert resp.status_code == 422 and "thousands of digits" in _fields(resp)["body"]
     assert "sys." not in resp.text

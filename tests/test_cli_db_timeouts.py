@@ -103,3 +103,33 @@ def test_measure_refuses_a_time_limit_that_is_not_a_positive_number(tmp_path, mo
     line = _text(runner.invoke(app, ["measure", RECIPE, "--timeout-s", value]))
     assert f"--timeout-s: must be a positive number of seconds, got {float(value):g}" in line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["show"], ["plan"]])
+def test_a_sqlite_file_in_a_folder_that_does_not_exist_is_refused_naming_storage(
+    tmp_path, monkeypatch, command
+):
+    monkeypatch.chdir(tmp_path)
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "gpt-tiny.yaml"
+    url = f"sqlite:///{tmp_path}/no/such/folder/tuner.db"
+    line = _text(runner.invoke(app, [*command, str(recipe), "--storage", url]))
+    assert line.startswith("error: --storage: cannot open the SQLite database") and "folder exists" in line
+
+
+def test_token_commands_say_the_database_cannot_be_opened(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TUNER_DATABASE_URL", f"sqlite:///{tmp_path}/no/such/folder/tuner.db")
+    for args in (["token", "list"], ["token", "create", "--name", "ci"], ["token", "revoke", "ci"]):
+        line = _text(runner.invoke(app, args))
+        assert (
+            line == "error: cannot open the database: unable to open database file; check TUNER_DATABASE_URL"
+        )
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**31)])
+def test_tune_refuses_a_seed_samplers_cannot_take_before_anything_starts(tmp_path, monkeypatch, seed):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tuner.study.run_study", _no_start)
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "gpt-tiny.yaml"
+    result = runner.invoke(app, ["tune", str(recipe), "--seed", seed])
+    assert result.exit_code == 2 and "--seed" in result.output and "Traceback" not in result.output

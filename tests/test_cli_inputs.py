@@ -38,6 +38,7 @@ BAD_FILES = {
         lambda p: p.write_text(yaml.safe_dump({**GOOD, "colour": "red"})),
         "colour: unknown field",
     ),
+    "list as a key": (lambda p: p.write_text(yaml.safe_dump(GOOD) + "? [a, b]\n: 2\n"), "a key is a name"),
 }
 
 COMMANDS = {
@@ -240,3 +241,19 @@ def test_plan_names_the_override_and_the_device_count_that_fits(tmp_path):
     assert result.exit_code == 2, result.output
     assert "devices: no split of 3 devices fits the model and batch" in result.output
     assert "e.g. --devices 2" in result.output
+
+
+@pytest.mark.parametrize("command", ["tune", "plan", "nightly"])
+def test_an_infinite_or_unknown_space_value_is_refused_before_anything_runs(tmp_path, monkeypatch, command):
+    """What the REST service refuses on submit (422), every command that tunes refuses first, in
+    one line: the nightly folder too, before the recipes ahead of it spend their night."""
+    monkeypatch.chdir(tmp_path)
+    for name, search, says in [
+        ("inf", {"overrides": {"tp": [float("inf")]}}, "search.overrides.tp: tp: inf is not an integer"),
+        ("space", {"space": "nosuch"}, "search space 'nosuch' not found"),
+    ]:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**GOOD, "search": search}))
+        result = runner.invoke(app, COMMANDS[command](str(path)))
+        assert result.exit_code == 2, result.output
+        assert says in _one_line(result.output)

@@ -277,6 +277,25 @@ def test_a_recipe_this_worker_cannot_hold_fails_with_the_fix_and_runs_no_study(s
         assert "this worker cannot run the recipe: hardware.devices is 4096 but this machine has" in job.error
 
 
+def test_a_failure_longer_than_one_line_keeps_its_whole_text_in_the_log(sqlite_url):
+    """Views show one line of a job's error, cut at ERROR_CHARS; the fix at its end must stay
+    readable through `links.log` (it was lost: a preflight failure stored no log)."""
+    from api.schemas import JobPublic
+    from tuner.worker.job import Outcome, _record_outcome
+    from tuner.worker.wording import ERROR_CHARS
+
+    job_id = _queue(sqlite_url)[0]
+    error = "this worker cannot run the recipe: " + "x" * ERROR_CHARS + "; set hardware.devices to 2"
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        _record_outcome(s, job, Outcome("failed", error=error))
+        public = JobPublic.from_row(job)
+    assert len(public.error) <= ERROR_CHARS and "set hardware.devices to 2" not in public.error
+    assert public.links["log"] == f"/v1/jobs/{job_id}/log"
+    with session_scope(sqlite_url) as s:
+        assert s.get(Job, job_id).log.endswith("; set hardware.devices to 2")
+
+
 @pytest.mark.parametrize("raise_on_stop", [False, True])
 def test_cancel_stops_the_trials_and_ends_cancelled(sqlite_url, monkeypatch, raise_on_stop):
     monkeypatch.setattr("tuner.study.run_study", _study(trials_before_stop=1, raise_on_stop=raise_on_stop))

@@ -49,7 +49,7 @@ class Knob:
                 value = int(raw)
                 if isinstance(raw, float) and raw != value:
                     raise ValueError
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
                 raise ConfigError(f"{self.name}: {raw!r} is not an integer") from None
             minimum = 0 if self.name == "loader_workers" else 1
             if value < minimum:
@@ -61,6 +61,8 @@ class Knob:
                 value = float(raw)
             except (TypeError, ValueError):
                 raise ConfigError(f"{self.name}: {raw!r} is not a number") from None
+            if not math.isfinite(value):
+                raise ConfigError(f"{self.name}: {raw!r} is not a finite number")
         else:
             value = str(raw)
         if self.choices is not None and value not in self.choices:

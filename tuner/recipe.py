@@ -333,7 +333,11 @@ class _RecipeLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, Hashable) and key in seen:
+            if not isinstance(key, Hashable):  # `? [a, b]`: YAML allows it, no recipe field is one
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is a list or mapping; a key is a name", key_node.start_mark
+                )
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
                 )

@@ -243,10 +243,20 @@ class SearchSpace:
         With `feasible_only`, configs the feasibility rules reject for this recipe and device
         are skipped.
         """
+        for config, feasible in self.walk(recipe, device, feasible_only):
+            if feasible:
+                yield config
+
+    def walk(self, recipe: Recipe, device: DeviceInfo, judge: bool = True) -> Iterator[tuple[Config, bool]]:
+        """Every config `configs` looks at, with whether it is feasible (`judge`; else all are):
+        a caller can stop after so many looks, which a sparse space's `configs` may not give it.
+        A split that misfits the model's shapes is skipped whole: no other knob can fix it."""
         for split in self.splits(recipe.hardware.devices):
-            for config in self._expand(dict(zip(_DEGREES, split, strict=True)), 0):
-                if not feasible_only or not infeasible_reasons(config, recipe, device):
-                    yield config
+            chosen = dict(zip(_DEGREES, split, strict=True))
+            if judge and shape_reasons(Config(**chosen), recipe):
+                continue
+            for config in self._expand(chosen, 0):
+                yield config, not judge or not infeasible_reasons(config, recipe, device)
 
     def _expand(self, chosen: dict[str, Any], i: int) -> Iterator[Config]:
         if i == len(_ORDER):
@@ -297,6 +307,35 @@ def _space_path(name_or_path: str | Path) -> Path:
 
 def available_spaces() -> list[str]:
     return sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
+
+
+def recipe_space_problems(recipe: Recipe, *, client_hint: str | None = None) -> list[tuple[str, str]]:
+    """(field, message) problems of the recipe's space and overrides, found before any machine is
+    asked (the REST service on submit, the nightly before its first recipe). With `hardware.device:
+    auto` the machine picks the space, so the overrides must hold in one of them (and the model's
+    shapes are that machine's to check). `client_hint`: the entry point's user has no server files
+    (REST): a space is only a name there (a recipe must not point a worker at a file on its disk),
+    and the hint, where every space's values are listed, replaces "edit the file"."""
+    device = recipe.hardware.device
+    named = recipe.search.space or (device if device != "auto" else None)
+    if client_hint is not None and named is not None and named not in available_spaces():
+        known = ", ".join(available_spaces()) or "none"
+        return [("search.space", f"unknown search space; this service has: {known}")]
+    errors = []
+    for name in [named] if named is not None else available_spaces():
+        try:
+            space = load_space(name).narrow(recipe.search.overrides)
+        except SpaceError as err:
+            errors.append(err)
+            continue
+        problem = space.shape_problem(recipe) if named is not None else None
+        return [problem.pair()] if problem else []
+    if not errors:
+        return []
+    err = errors[0]
+    if client_hint is not None:
+        return [err.for_client(client_hint)]
+    return [(err.field or "search.space", err.message + err.here)]
 
 
 def load_space(name_or_path: str | Path) -> SearchSpace:

@@ -32,11 +32,17 @@ def _sqlite_path(url: str) -> str | None:
 def _enable_wal(path: str) -> None:
     # WAL lets readers (dashboard, `tuner show`, the REST service) run while a driver writes.
     # It is a property of the file, so set it once before the engine opens the database.
-    con = sqlite3.connect(path, timeout=_SQLITE_BUSY_TIMEOUT_S)
     try:
-        con.execute("PRAGMA journal_mode=WAL")
-    finally:
-        con.close()
+        con = sqlite3.connect(path, timeout=_SQLITE_BUSY_TIMEOUT_S)
+        try:
+            con.execute("PRAGMA journal_mode=WAL")
+        finally:
+            con.close()
+    except sqlite3.Error as err:  # a folder that does not exist, a file that is not a database
+        raise ValueError(
+            f"--storage: cannot open the SQLite database {path!r}: {err}; check that its folder exists "
+            "and is writable, or pass another --storage (or TUNER_DATABASE_URL)"
+        ) from None
 
 
 def _on_sqlite_connect(dbapi_con: Any, _record: Any) -> None:

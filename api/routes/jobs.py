@@ -17,7 +17,7 @@ from api.schemas import BestPublic, JobId, JobLog, JobPage, JobPublic, JobState,
 from api.settings import Settings
 from tuner.db import FINAL_STATES, Build, Job, add_event, utcnow
 from tuner.recipe import Recipe, RecipeError, load_json, parse_recipe, recipe_from_dict
-from tuner.space import SpaceError
+from tuner.space import recipe_space_problems
 
 # The errors that follow from what a route is (401, 404 under a job id, 422, ...) are declared
 # by api/errors.py's `document_errors`; a route declares only its own (409, 415).
@@ -108,33 +108,11 @@ def _check_recipe(recipe: Recipe, settings: Settings, *, runs_here: bool = True)
                 "hardware.nodes to 1",
             )
         )
-    problems += _space_problems(recipe)
+    problems += recipe_space_problems(
+        recipe, client_hint="; GET /v1/search-spaces lists every space's values"
+    )
     if problems:
         raise ApiError(422, "recipe exceeds this service's limits or names an unknown space", problems)
-
-
-def _space_problems(recipe: Recipe) -> list[tuple[str, str]]:
-    """A bad space or override now, not minutes later in the worker. A space is only ever a name
-    here: a REST recipe must not point a worker at a file on its disk. With `hardware.device:
-    auto` the worker's machine picks the space, so the overrides must hold in one of them (and the
-    model's shapes are the worker's to check)."""
-    from tuner.space import available_spaces, load_space
-
-    device = recipe.hardware.device
-    named = recipe.search.space or (device if device != "auto" else None)
-    if named is not None and named not in available_spaces():
-        known = ", ".join(available_spaces()) or "none"
-        return [("search.space", f"unknown search space; this service has: {known}")]
-    errors = []
-    for name in [named] if named is not None else available_spaces():
-        try:
-            space = load_space(name).narrow(recipe.search.overrides)
-        except SpaceError as err:
-            errors.append(err)
-            continue
-        problem = space.shape_problem(recipe) if named is not None else None
-        return [problem.pair()] if problem else []
-    return [errors[0].for_client("; GET /v1/search-spaces lists every space's values")] if errors else []
 
 
 @router.post(

@@ -22,6 +22,8 @@ def _session():
 
 
 def _ready() -> None:
+    from sqlalchemy import exc
+
     from tuner.db import DatabaseError
     from tuner.migrations import is_current, upgrade
 
@@ -30,6 +32,8 @@ def _ready() -> None:
             upgrade()
     except DatabaseError as err:
         fail(str(err))
+    except exc.DBAPIError as err:  # unreachable server, unopenable SQLite file, refused login
+        fail(f"cannot open the database: {err.orig}; check TUNER_DATABASE_URL")
 
 
 @token_app.command("create")

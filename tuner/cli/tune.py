@@ -83,7 +83,9 @@ def tune(
     sampler: str | None = typer.Option(
         None, "--sampler", metavar="|".join(SAMPLERS), help="Search algorithm (default: search.sampler)."
     ),
-    seed: int | None = typer.Option(None, "--seed", help="Sampler seed (default: search.seed)."),
+    seed: int | None = typer.Option(
+        None, "--seed", min=0, max=2**31 - 1, help="Sampler seed, 0 to 2**31-1 (default: search.seed)."
+    ),
     patience: int | None = typer.Option(
         None, "--patience", metavar="N", help="Stop when the best has not improved for N trials."
     ),

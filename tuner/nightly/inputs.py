@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from tuner.recipe import Recipe, RecipeError, load_recipe
+from tuner.space import recipe_space_problems
 
 
 class NightlyError(ValueError):
@@ -79,6 +80,9 @@ def find_recipes(path: Path) -> list[tuple[Path, Recipe]]:
                 f"{f}: name {recipe.name!r} is also used by {seen[recipe.name]}; names must be unique"
             )
             continue
+        # What the REST service checks on submit: a bad space or override fails the run now,
+        # not after the recipes before it tuned.
+        problems += [f"{f}: {field}: {why}" for field, why in recipe_space_problems(recipe)]
         seen[recipe.name] = f
         found.append((f, recipe))
     if problems:

@@ -13,6 +13,9 @@ from tuner.recipe import Recipe
 from tuner.space import SearchSpace
 
 LIMIT = 4000
+# Configs looked at before the whole space is given up for a sample (about 2 s): where few are
+# feasible (a small model on many GPUs), walking a space of millions to find LIMIT took minutes.
+EXAMINE_LIMIT = 100_000
 
 
 def _random_config(space: SearchSpace, devices: int, rng: random.Random) -> Config:
@@ -48,13 +51,19 @@ def candidates(
 ) -> list[Config]:
     """Feasible configs of the space (all of them, or a sample and the neighbours of `around`)."""
     devices = recipe.hardware.devices
-    every = list(itertools.islice(space.configs(recipe, device), limit + 1))
-    if len(every) <= limit:
+    every: list[Config] = []
+    for looked, (config, feasible) in enumerate(space.walk(recipe, device), 1):
+        if feasible:
+            every.append(config)
+        if len(every) > limit or looked >= EXAMINE_LIMIT:
+            break
+    else:  # walked the whole space
         return every
     rng = random.Random(seed)
     seen: dict[Config, Config] = {}  # by the normalized config itself: equal exactly when keys are
     pool = itertools.chain(
         (n for c in around for n in neighbours(space, c, devices)),
+        (c.normalized() for c in every[:limit]),  # what the walk found: all there is, where few are
         (_random_config(space, devices, rng) for _ in range(limit * 3)),
     )
     for config in pool:  # each normalized already

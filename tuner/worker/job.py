@@ -15,7 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, session_scope, utcnow
 from tuner.record.snapshot import snapshot_study
 from tuner.summary import StudySummary
-from tuner.worker.wording import failure
+from tuner.worker.wording import failure, one_line
 
 log = logging.getLogger("tuner.worker")
 
@@ -260,6 +260,8 @@ def _record_outcome(s: Any, job: Job, outcome: Outcome) -> None:
         )
     job.error = outcome.error or build.error
     job.log = outcome.log or build.log
+    if job.log is None and job.error and one_line(job.error) != job.error:
+        job.log = job.error  # views show one line of it (`one_line`); `links.log` has the whole
     job.state, job.finished_at = outcome.state, utcnow()
     done = {
         "state": outcome.state,
