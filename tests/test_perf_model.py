@@ -317,6 +317,88 @@ def test_trials_at_one_amp_level_teach_the_model_the_other_ones_speed():
     assert after < 0.1, f"O2 still off by {after:.2f} (log) after {len(seen)} fp32 and O1 trials"
 
 
+def test_a_small_space_tried_whole_stops_the_study_instead_of_repeating_configs(tmp_path, priors):
+    """Once every config the driver would run is tried, the study ends ("space exhausted"): no
+    trial of the budget left goes to TPE's repeats and pruned picks."""
+    doc = tiny(budget_gb=0.16)
+    doc["search"]["overrides"] = {
+        **OVERRIDES,
+        "micro_batch_size": [2, 4],
+        "recompute": ["none"],
+        "amp": ["O0", "O2"],
+    }
+    recipe = recipe_from_dict(doc)
+    url = f"sqlite:///{tmp_path}/t.db"
+    events = []
+    ex = SyntheticExecutor(recipe)
+    run_study(recipe, storage_url=url, executor=ex, trials=40, sampler="model", seed=0, remeasure_top=0,
+              workdir=tmp_path, progress=events.append)  # fmt: skip
+    runnable = len(space_configs(recipe))
+    assert len({c.key() for c in ex.ran}) == len(ex.ran) <= runnable < 40
+    study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
+    assert len(study.trials) <= runnable + 1  # the trial that found nothing left, pruned
+    assert events[-1]["reason"] == "space exhausted"
+
+
+def test_expected_improvement_far_below_the_best_still_ranks_configs():
+    """Far behind the best, EI underflows to 0 for every config; its log keeps their order."""
+    from tuner.perf.sampler import expected_improvement, log_expected_improvement
+
+    mean, sd = np.array([-0.5, -0.1, 0.0, 0.2]), np.full(4, 0.1)
+    assert np.allclose(log_expected_improvement(mean, sd, 0.05), np.log(expected_improvement(mean, sd, 0.05)))
+    far = np.array([-12.0, -9.0, -10.0])  # 90-120 sd behind
+    assert not expected_improvement(far, np.full(3, 0.1), 0.0).any()
+    log_ei = log_expected_improvement(far, np.full(3, 0.1), 0.0)
+    assert np.isfinite(log_ei).all() and list(np.argsort(log_ei)) == [0, 2, 1]
+    # Continuous across the switch to the asymptotic series.
+    z = np.array([-30.0 - 1e-9, -30.0 + 1e-9])
+    assert abs(np.diff(log_expected_improvement(z, np.ones(2), 0.0))[0]) < 1e-4
+
+
+@pytest.mark.parametrize("budget_gb", [None, "the device's share, written out"])
+def test_a_trial_out_of_memory_teaches_the_memory_model_whether_or_not_the_recipe_sets_a_budget(budget_gb):
+    """A recipe without `memory_budget_gb` is judged against the device's memory (on CPU, each
+    rank's share of the RAM): its out-of-memory trials must lower P(fit) as with the budget written."""
+    from tuner.estimate import budget_bytes
+    from tuner.perf.observations import observation
+    from tuner.perf.predictor import Predictor
+
+    if budget_gb is not None:
+        budget_gb = budget_bytes(recipe_from_dict(tiny()), CPU) / 2**30
+    recipe = recipe_from_dict(tiny(budget_gb=budget_gb))
+    config = Config(micro_batch_size=8, dp=2)
+    estimate = step_work(recipe, config, CPU).peak_mem_bytes
+    params = {"micro_batch_size": 8, "dp": 2, "tp": 1, "pp": 1}
+    oom = observation(recipe, params, {keys.STATUS: "oom", keys.ESTIMATED_PEAK_MEM_BYTES: estimate})
+    before = Predictor(CPU, PRIORS).predict(recipe, [config]).p_fit[0]
+    after = Predictor(CPU, PRIORS).fit([oom]).predict(recipe, [config]).p_fit[0]
+    assert before > 0.95 and after < 0.6, (before, after)
+
+
+def test_a_non_finite_stored_figure_does_not_poison_the_fit():
+    """A stored NaN spread or interval, or an infinite re-measurement, weighs as an unknown one; it
+    must not turn every prediction into NaN (which would leave the sampler nothing to pick)."""
+    from tuner.perf.observations import observation
+    from tuner.perf.predictor import Predictor
+
+    recipe = recipe_from_dict(tiny())
+    configs = space_configs(recipe)[:6]
+    truth = true_tokens_per_s(recipe, configs)
+    bad = [{keys.STEP_TIME_SPREAD: math.nan}, {keys.STEP_TIME_CI: math.inf}, {keys.STEP_TIME_CI: True}]
+    obs = [
+        observation(
+            recipe,
+            c.to_dict(),
+            {keys.STATUS: "ok", keys.TOKENS_PER_S: float(t), **bad[i % 3]},
+            again=[math.inf] if i == 0 else (),
+        )  # fmt: skip
+        for i, (c, t) in enumerate(zip(configs, truth, strict=True))
+    ]
+    assert all(math.isfinite(o.rel_sd) and math.isfinite(o.tokens_per_s) for o in obs)
+    p = Predictor(CPU, PRIORS).fit(obs).predict(recipe, configs)
+    assert np.isfinite(p.tokens_per_s).all() and np.isfinite(p.p_fit).all()
+
+
 def test_model_sampler_runs_only_feasible_unpruned_untried_configs(tmp_path, priors):
     doc = tiny(budget_gb=0.16)
     doc["search"]["overrides"] = {
@@ -581,6 +663,66 @@ def test_tuner_plan_for_a_catalogued_gpu_on_a_machine_without_one(tmp_path):
     )
     assert bad.returncode == 2 and "device:" in bad.stderr and "H100" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_plan_beyond_one_server_spans_nodes_of_it():
+    """32 H100s are four 8-GPU servers: tensor-parallel groups stay inside one, and data parallel
+    over all 32 pays the cross-node link (planned as one 32-GPU node it did not); a count that
+    does not fill whole nodes is refused with the field and a count that does."""
+    from tuner.devices import known_device
+    from tuner.perf.plan import PlanError, make_plan
+
+    one = {"micro_batch_size": [2], "amp": ["O2"], "attention": ["flash"], "dp_shard": ["ddp"], "recompute": ["none"],
+           "offload": [False], "bucket_mb": [25], "grad_compression": ["none"], "compile": ["none"], "tf32": [False],
+           "optimizer_impl": ["fused"], "loader_workers": [0], "pin_memory": [False], "cpu_affinity": ["none"]}  # fmt: skip
+    doc = {"name": "g", "model": {"family": "gpt", "layers": 8, "hidden": 2048, "heads": 32, "seq_len": 1024,
+           "vocab": 32000}, "train": {"global_batch_size": 64}, "hardware": {"device": "cuda", "devices": 8},
+           "search": {"space": "cuda", "overrides": one}}  # fmt: skip
+    recipe = recipe_from_dict(doc)
+    servers = make_plan(recipe, devices=32, top=1000, catalogued="H100", observations=[])
+    assert servers.rows and max(row.config.get("tp", 1) for row in servers.rows) == 8
+    big_node = make_plan(recipe, devices=32, top=1000, device=known_device("H100", count=32), observations=[])
+    assert max(row.config.get("tp", 1) for row in big_node.rows) > 8
+
+    def dp_only(plan):
+        return next(r.tokens_per_s for r in plan.rows if r.config["dp"] == 32)
+
+    assert dp_only(servers) < 0.99 * dp_only(big_node)  # the inter-node link is slower
+    with pytest.raises(PlanError) as err:
+        make_plan(recipe, devices=12, catalogued="H100", observations=[])
+    assert err.value.field == "devices" and err.value.example == "16"
+    two_nodes = recipe_from_dict({**doc, "hardware": {"device": "cuda", "devices": 16, "nodes": 2}})
+    with pytest.raises(PlanError) as err:
+        make_plan(two_nodes, devices=5, catalogued="H100", observations=[])
+    assert err.value.field == "devices" and err.value.example == "8"
+
+
+def test_a_space_where_few_configs_are_feasible_is_sampled_after_a_bounded_walk(monkeypatch):
+    """A small model on 8 GPUs: most splits misfit its 2 heads and 2 layers, and the rest of the
+    CUDA space (millions of configs) held under LIMIT feasible ones, so the plan walked all of it
+    (minutes, inside the API process). The walk now stops after EXAMINE_LIMIT looks."""
+    import tuner.perf.candidates as cand
+    from tuner.devices import known_device
+    from tuner.space import load_space
+
+    recipe = recipe_from_dict({"name": "t", "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 2,
+                               "seq_len": 128, "vocab": 256}, "train": {"global_batch_size": 16},
+                               "hardware": {"device": "cuda", "devices": 8}})  # fmt: skip
+    device, space = known_device("H100", 8), load_space("cuda")
+    looked = []
+    walk = type(space).walk
+
+    def counted(self, *args, **kwargs):
+        for item in walk(self, *args, **kwargs):
+            looked.append(item)
+            yield item
+
+    monkeypatch.setattr(type(space), "walk", counted)
+    monkeypatch.setattr(cand, "EXAMINE_LIMIT", 5000)
+    pool = cand.candidates(space, recipe, device)
+    assert len(looked) == 5000 and pool
+    assert all(not infeasible_reasons(c, recipe, device) for c in pool)
+    assert {c.tp for c in pool} <= {1, 2} and {c.pp for c in pool} <= {1, 2}
 
 
 def test_offloaded_activations_cost_their_bytes_over_the_host_link():

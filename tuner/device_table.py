@@ -42,6 +42,10 @@ class CatalogDevice:
     capability: tuple[int, int] = (0, 0)  # CUDA compute capability
 
 
+# Accelerators in one server of the catalogue's kinds (HGX/DGX V100, A100, H100, H200; Atlas 800T
+# A2): a plan for more of them spans servers, whose link the priors price apart.
+CATALOG_NODE_DEVICES = 8
+
 CATALOG: dict[str, CatalogDevice] = {
     "V100": CatalogDevice("cuda", "Tesla V100-SXM2-32GB", 31.7, (7, 0)),
     "A100": CatalogDevice("cuda", "NVIDIA A100-SXM4-80GB", 79.2, (8, 0)),

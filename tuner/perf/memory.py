@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from tuner.config import Config
+from tuner.devices import DeviceInfo
+from tuner.estimate import budget_bytes
 from tuner.perf.observations import Observation
 from tuner.record.status import OK, OOM
 
@@ -25,7 +27,11 @@ KNOB_SD_DEFAULT = 0.5
 OOM_EDGE = 0.05  # how far over the edge an out-of-memory trial is placed (log units)
 
 
-def _budget(o: Observation) -> float | None:
+def _budget(o: Observation, device: DeviceInfo | None) -> float | None:
+    """The budget the trial was judged against (`estimate.budget_bytes`: the recipe's, else the
+    device's memory); without the device, only a budget the recipe sets."""
+    if device is not None:
+        return float(budget_bytes(o.recipe, device))
     gb = o.recipe.hardware.memory_budget_gb
     return gb * 2**30 if gb else None
 
@@ -51,7 +57,13 @@ class MemoryModel:
     device's reserved/allocated ratio (`tuner.estimate.reserved_ratio_prior`), each knob's effect
     as wide as the device `family`'s `KNOB_SD`."""
 
-    def __init__(self, observations: Sequence[Observation] = (), prior_ratio: float = 1.0, family: str = ""):
+    def __init__(
+        self,
+        observations: Sequence[Observation] = (),
+        prior_ratio: float = 1.0,
+        family: str = "",
+        device: DeviceInfo | None = None,
+    ):
         self.centre = math.log(prior_ratio)
         pairs = [
             (o.config, math.log(o.peak_mem_bytes / o.estimated_peak_mem_bytes))
@@ -63,7 +75,7 @@ class MemoryModel:
         pairs += [
             (o.config, math.log(limit / o.estimated_peak_mem_bytes) + OOM_EDGE)
             for o in observations
-            if o.status == OOM and o.estimated_peak_mem_bytes and (limit := _budget(o))
+            if o.status == OOM and o.estimated_peak_mem_bytes and (limit := _budget(o, device))
         ]
         p = len(_row(Config()))
         precision = np.eye(p) / KNOB_SD.get(family, KNOB_SD_DEFAULT) ** 2

@@ -41,10 +41,20 @@ def relative_sd(attrs: dict[str, Any]) -> float:
     """The measurement's relative sd: from the 95% interval of the median step time when the
     trial has one (adaptive measurement), else from the spread of its measured steps."""
     ci = attrs.get(keys.STEP_TIME_CI)
-    if isinstance(ci, (int, float)) and ci >= 0:
+    if _usable(ci):
         return float(ci) / _Z95
     spread = attrs.get(keys.STEP_TIME_SPREAD)
-    return _SPREAD_TO_SD * float(spread) if isinstance(spread, (int, float)) else 0.05
+    return _SPREAD_TO_SD * float(spread) if _usable(spread) else 0.05
+
+
+def _usable(value: Any) -> bool:
+    """A stored interval or spread the fit can weigh by (not a bool, NaN, infinite or negative)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
 
 
 def observation(

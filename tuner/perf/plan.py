@@ -13,6 +13,7 @@ import numpy as np
 
 from tuner.baseline import baseline_config
 from tuner.config import Config
+from tuner.device_table import CATALOG_NODE_DEVICES
 from tuner.devices import FAMILIES, DeviceInfo, describe, known_device, resolve_family
 from tuner.estimate import reserved_ratio_prior
 from tuner.perf.candidates import candidates
@@ -21,6 +22,7 @@ from tuner.perf.predictor import Predicted, Predictor
 from tuner.perf.priors import DevicePriors, device_priors
 from tuner.prune import calibration_factor, verdict
 from tuner.recipe import Recipe
+from tuner.record.status import OK
 from tuner.space import SearchSpace, SpaceError, load_space
 
 MAX_DEVICES = 1 << 16
@@ -90,8 +92,24 @@ class PlanOrder:
         return next((rank for rank, i in enumerate(self.order, 1) if self.pool[i].normalized() == want), None)
 
 
-def _for_devices(recipe: Recipe, devices: int) -> Recipe:
-    hardware = recipe.hardware.model_copy(update={"devices": devices})
+def _for_devices(recipe: Recipe, devices: int, node: int) -> Recipe:
+    """The recipe on `devices`, over whole nodes as a study would run it: its own nodes' size when
+    it spans machines, else nodes of `node` devices once one cannot hold them all (tensor-parallel
+    groups then stay inside a node, and the priors' cross-node link prices the larger groups)."""
+    per_node = recipe.hardware.devices_per_node if recipe.hardware.nodes > 1 else node
+    if devices <= per_node and recipe.hardware.nodes == 1:
+        nodes = 1
+    elif devices % per_node:
+        up = -(-devices // per_node) * per_node
+        raise PlanError(
+            "devices",
+            f"{devices} devices do not fill whole nodes of {per_node} (devices beyond one node come in "
+            f"whole nodes); give a multiple of {per_node}",
+            example=str(up),
+        )
+    else:
+        nodes = devices // per_node
+    hardware = recipe.hardware.model_copy(update={"devices": devices, "nodes": nodes})
     return recipe.model_copy(update={"hardware": hardware})
 
 
@@ -128,17 +146,20 @@ def make_plan(
 
 
 def _checked_space(
-    recipe: Recipe, family: str, catalogued: str | None, devices: int | None
+    recipe: Recipe, device: DeviceInfo, catalogued: str | None, devices: int | None
 ) -> tuple[SearchSpace, Recipe]:
     """The recipe's space narrowed by its overrides, and the recipe on the devices planned for;
     PlanError when a config of it could never run (then nothing would be ranked): an override
     outside the space, no dp*tp*pp split of the count, or none that fits the shapes and batch."""
     n = devices or recipe.hardware.devices
     try:
-        space = load_space(_space_name(recipe, family, catalogued)).narrow(recipe.search.overrides)
+        space = load_space(_space_name(recipe, device.family, catalogued)).narrow(recipe.search.overrides)
     except SpaceError as err:
         raise PlanError(err.field or "search.space", err.message, here=err.here) from None
-    target = _for_devices(recipe, n)
+    # One CPU machine holds every rank (ranks beyond its cores share them); accelerators come in
+    # nodes of this machine's count (a cluster's largest node, a catalogued server's).
+    node = (device.count or n) if device.family != "cpu" else max(n, recipe.hardware.devices_per_node)
+    target = _for_devices(recipe, n, node)
     problem = space.shape_problem(target)
     if problem is not None and problem.field == "hardware.devices" and devices is not None:
         # The count asked for, not the recipe's: the way out is another --devices / ?devices=.
@@ -165,14 +186,14 @@ def ranked_plan(
     n = devices or recipe.hardware.devices
     if catalogued is not None:
         # Nothing measured on this machine says how that one runs: its priors alone.
-        try:
-            device, observations = known_device(catalogued, count=n), []
+        try:  # described as one server of it: a larger count spans servers
+            device, observations = known_device(catalogued, count=min(n, CATALOG_NODE_DEVICES)), []
         except ValueError as err:  # not in the catalogue: the error lists what is
             raise PlanError("device", str(err), example="H100") from None
     # A given device may be one this machine lacks (a study's, read from its fingerprint).
     family = device.family if device else resolve_family(recipe.hardware.device)
     device = device or describe(family)
-    space, target = _checked_space(recipe, family, catalogued, devices)
+    space, target = _checked_space(recipe, device, catalogued, devices)
     if observations is None:
         observations = _stored(storage_url, fingerprint or _here(family), target) if storage_url else []
     observations = same_model(observations, target)
@@ -180,7 +201,9 @@ def ranked_plan(
     wide = dataclasses.replace(device, count=max(device.count, n))
     predictor = Predictor(device, priors or device_priors(device)).fit(observations)
     same = [o for o in observations if o.recipe.hash() == target.hash() and o.peak_mem_bytes]
-    pairs = [(o.peak_mem_bytes, o.estimated_peak_mem_bytes) for o in same]
+    # Completed trials only, as the study calibrates (`study_calibration`): an out-of-memory
+    # trial's peak is only a lower bound, and high by selection.
+    pairs = [(o.peak_mem_bytes, o.estimated_peak_mem_bytes) for o in same if o.status == OK]
     calibration = calibration_factor(pairs, prior=reserved_ratio_prior(device.family))
     best = sorted((o for o in same if o.tokens_per_s), key=lambda o: -(o.tokens_per_s or 0))[:3]
     # The baseline's neighbours are always ranked, even when the space is only sampled.

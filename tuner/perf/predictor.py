@@ -72,7 +72,9 @@ class Predictor:
         start = self.time_fit if self.time_fit.n else None
         data = self._data([o for o in observations if o.tokens_per_s])
         self.time_fit = fit(*data, self.priors, start)
-        self.memory = MemoryModel(observations, reserved_ratio_prior(self.device.family), self.device.family)
+        self.memory = MemoryModel(
+            observations, reserved_ratio_prior(self.device.family), self.device.family, self.device
+        )
         return self
 
     def features(self, recipe: Recipe, configs: Sequence[Config]) -> tuple[list[StepWork], Features]:

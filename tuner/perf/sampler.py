@@ -61,7 +61,8 @@ class SamplerContext:
 
 
 def _normal_cdf(z: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
+    # erfc keeps its digits in the far left tail, where 1 + erf(x) cancels to 0 below z = -8.
+    return 0.5 * np.vectorize(math.erfc)(-np.asarray(z, dtype=float) / math.sqrt(2.0))
 
 
 def expected_improvement(mean: np.ndarray, sd: np.ndarray, best: float) -> np.ndarray:
@@ -70,6 +71,27 @@ def expected_improvement(mean: np.ndarray, sd: np.ndarray, best: float) -> np.nd
     z = (mean - best) / sd
     pdf = np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
     return sd * (z * _normal_cdf(z) + pdf)
+
+
+# Below this z, z * cdf(z) + pdf(z) is computed from its asymptotic series pdf(z) / z^2 x (1 - 3/z^2
+# + 15/z^4) (from Mills' ratio): directly, pdf(z) underflows near z = -38.
+_LOG_EI_ASYMPTOTE_Z = -30.0
+
+
+def log_expected_improvement(mean: np.ndarray, sd: np.ndarray, best: float) -> np.ndarray:
+    """log(EI), finite however far below `best` a config is predicted: configs that all have
+    EI 0 in floating point still rank by how far behind they are (a plain EI would hand the pick to
+    whichever came first)."""
+    sd = np.maximum(sd, 1e-6)
+    z = (mean - best) / sd
+    far = z < _LOG_EI_ASYMPTOTE_Z
+    near = np.where(far, 0.0, z)
+    direct = near * _normal_cdf(near) + np.exp(-0.5 * near**2) / math.sqrt(2 * math.pi)
+    log_pdf = -0.5 * z**2 - 0.5 * math.log(2 * math.pi)
+    z2 = np.where(far, z, 1.0) ** 2
+    tail = log_pdf - np.log(z2) + np.log1p(-3 / z2 + 15 / z2**2)
+    with np.errstate(divide="ignore"):
+        return np.log(sd) + np.where(far, tail, np.log(direct))
 
 
 class _TpeDraw:
@@ -103,6 +125,8 @@ class ModelSampler(optuna.samplers.BaseSampler):
         self._fitted_on: int | None = None
         self._pool: list[Config] | None = None  # candidates, when the space is small enough to keep
         self._features: dict[str, tuple] = {}
+        # Set when every config of the (whole, ranked) space is tried or would be pruned.
+        self.exhausted = False
 
     # ---- the BaseSampler contract: every knob is chosen at once, in before_trial ----------------
 
@@ -254,15 +278,25 @@ class ModelSampler(optuna.samplers.BaseSampler):
         ]
         pool = self._runnable(trials)(self._pool_for(measured))
         if not pool:
+            # Every config of a space small enough to rank whole is tried or would be pruned: the
+            # driver stops ("space exhausted") rather than spend trials on TPE's repeats.
+            self.exhausted = self._pool is not None
             return None
         p = self._predict(pool)
         best = max((math.log(v) for v, _ in measured if v and v > 0), default=None)
         mean = np.log(p.tokens_per_s)
-        gain = mean + p.log_sd_coef if best is None else expected_improvement(mean, p.log_sd_coef, best)
-        score = np.where(p.p_fit >= MIN_P_FIT, gain * p.p_fit**2, -np.inf)
-        if not np.isfinite(score).any():
-            return None
-        return pool[int(np.argmax(score))]
+        with np.errstate(divide="ignore"):  # P(fit) 0: log -inf, never picked while another can fit
+            if best is None:
+                score = np.log(np.maximum(mean + p.log_sd_coef, 1e-300)) + 2 * np.log(p.p_fit)
+            else:  # log(EI x P(fit)^2): the same order as EI x P(fit)^2, without its underflow
+                score = log_expected_improvement(mean, p.log_sd_coef, best) + 2 * np.log(p.p_fit)
+        gated = np.where(p.p_fit >= MIN_P_FIT, score, -np.inf)
+        if np.isfinite(gated).any():
+            return pool[int(np.argmax(gated))]
+        # Nothing is likely enough to fit: the config likeliest to, among those the driver would run
+        # (TPE's unchecked pick would be likelier to run out of memory); either way its outcome
+        # teaches the memory model.
+        return pool[int(np.argmax(p.p_fit))]
 
     def _record(self, study: optuna.Study, trial: FrozenTrial, chosen_by: str, config: Config | None) -> None:
         storage, tid = study._storage, trial._trial_id

@@ -182,9 +182,10 @@ def difference_half_width(a: float, a_ci: float, b: float, b_ci: float) -> float
 
 def config_throughput(first: float | None, again: Sequence[float]) -> float:
     """What a study measured a config at: the median tokens/s over its trial's measurement (when
-    it has one) and its re-measurements. The ranking, the plan and the performance model's data
-    all take this figure."""
-    return statistics.median([first, *again] if first is not None else list(again))
+    it has one) and its re-measurements (a non-finite one, which no run can measure, left out).
+    The ranking, the plan and the performance model's data all take this figure."""
+    runs = [v for v in again if isinstance(v, (int, float)) and math.isfinite(v)]
+    return statistics.median([first, *runs] if first is not None else runs)
 
 
 def _relative_spread(values: Sequence[float]) -> float:

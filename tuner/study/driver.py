@@ -234,6 +234,8 @@ class Driver:
             return "patience"
         if self.budget.sampler == "grid" and not self._next_grid_config(trials):
             return "grid exhausted"
+        if getattr(self.study.sampler, "exhausted", False):  # the model sampler ranked the whole space
+            return "space exhausted"
         return None
 
     def loop(self) -> str:
