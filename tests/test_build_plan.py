@@ -8,6 +8,7 @@ import json
 from tuner.build import build_plan, collect_kernels, split_fused
 from tuner.build.report import _speed_line
 from tuner.config import Config
+from tuner.devices import describe, known_device
 from tuner.recipe import recipe_from_dict
 
 RECIPE = recipe_from_dict(
@@ -53,24 +54,32 @@ class Runner:
 
 
 def test_eager_winner_is_built_with_compile_default():
-    plan, why_not = build_plan(Config(), RECIPE, "cpu")
+    plan, why_not = build_plan(Config(), RECIPE, describe("cpu"))
     assert plan.compile == "default" and why_not is None
 
 
 def test_compiled_winner_is_built_as_is():
-    plan, why_not = build_plan(Config(compile="max-autotune"), RECIPE, "cpu")
+    plan, why_not = build_plan(Config(compile="max-autotune"), RECIPE, describe("cpu"))
     assert plan.compile == "max-autotune" and why_not is None
 
 
+def test_an_eager_gpu_winner_is_planned_from_the_nodes_description_on_a_machine_without_gpus():
+    """A Ray head without GPUs builds for its nodes' GPUs: the plan must not ask this machine for
+    a CUDA device (it raised "Torch not compiled with CUDA enabled")."""
+    recipe = recipe_from_dict({**RECIPE.to_dict(), "hardware": {"device": "cuda", "devices": 2}})
+    plan, why_not = build_plan(Config(dp=2), recipe, known_device("H100", 2))
+    assert plan.compile == "default" and why_not is None
+
+
 def test_no_kernels_on_npu_and_the_reason_is_given():
-    plan, why_not = build_plan(Config(), RECIPE, "npu")
+    plan, why_not = build_plan(Config(), RECIPE, known_device("910B", 1))
     assert plan.compile == "none" and "Ascend NPU" in why_not
 
 
 def test_config_that_cannot_compile_says_why():
     """offload hooks cannot be traced (a feasibility rule): the build stays eager and says so."""
     recipe = recipe_from_dict({**RECIPE.to_dict(), "hardware": {"device": "cpu", "devices": 1}})
-    plan, why_not = build_plan(Config(offload=True), recipe, "cpu")
+    plan, why_not = build_plan(Config(offload=True), recipe, describe("cpu"))
     assert plan.compile == "none" and "offload" in why_not
 
 

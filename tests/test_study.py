@@ -227,6 +227,43 @@ def test_remeasured_top_configs_keep_one_complete_trial_each(tune, url):
     assert ex2.submitted == []
 
 
+def test_a_remeasurement_whose_slot_was_taken_waits_for_the_next_one(tune):
+    """A shared cluster can take the slot `free_slots` offered before the submit: the trial loop
+    asks again, and so must re-measurement (it failed the whole study after its search)."""
+
+    class Racing(FakeExecutor):
+        refused = 0
+
+        def submit(self, spec):
+            if spec.tag.startswith("remeasure") and not self.refused:
+                self.refused = 1
+                raise RuntimeError(f"no free CPU slot for trial {spec.tag!r}; ask free_slots() first")
+            super().submit(spec)
+
+    ex = Racing()
+    recipe = make_recipe("race", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+    summary = tune(recipe, ex, trials=6, remeasure_top=2)
+    assert ex.refused and len(summary.best.remeasured_tokens_per_s) == 1
+
+
+def test_no_remeasurement_starts_after_the_time_budget(tune):
+    """`search.timeout_min` (and a service's cap on it) bounds the whole study: a study that ends by
+    timeout starts no re-measurement after it (each may take up to `measure.timeout_s`)."""
+
+    class Slow(FakeExecutor):
+        def wait(self, timeout=None):
+            if self._running:
+                time.sleep(0.5)
+            return super().wait(timeout)
+
+    ex = Slow()
+    recipe = make_recipe("late", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+    events = []
+    tune(recipe, ex, trials=100, timeout_s=1.0, remeasure_top=3, progress=events.append)
+    assert events[-1]["reason"] == "timeout"
+    assert not [s for s in ex.submitted if s.tag.startswith("remeasure")]
+
+
 def test_each_new_trial_is_told_the_studys_contention_line_and_a_remeasurement_none(tune, url):
     ex = FakeExecutor()
     recipe = make_recipe("contention", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
@@ -402,6 +439,61 @@ def test_ctrl_c_mid_study_then_rerun_finishes_the_budget_without_repeats(tune, u
     assert len({t.user_attrs["config_key"] for t in complete}) == len(complete)
     # The interrupted config ran on the rerun.
     assert any(config_from_params(t.params) == config_from_params(cancelled[0].params) for t in complete)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
+def test_a_queued_baseline_interrupted_inside_ask_runs_its_own_config_on_the_rerun(
+    tune, url, monkeypatch, how
+):
+    """`study.ask` starts the queued baseline before the sampler runs (a model sampler refits
+    first, a second or more) and before the driver signs it: interrupted there, the baseline must
+    still run as itself on the rerun, not as whatever the sampler picks under its label."""
+    from tuner.baseline import baseline_config
+    from tuner.study import budget, driver
+
+    recipe = make_recipe(
+        f"ask-{how}", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8], "amp": ["O0", "O2"]}
+    )
+    base = baseline_config(recipe, CPU, load_space("cpu").narrow(recipe.search.overrides))
+    before_trial = optuna.samplers.RandomSampler.before_trial
+
+    def stop_in_ask(self, study, trial):
+        before_trial(self, study, trial)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(optuna.samplers.RandomSampler, "before_trial", stop_in_ask)
+    if how == "ctrl-c":
+        with pytest.raises(KeyboardInterrupt):
+            tune(recipe, trials=4)
+    else:  # the driver dies with the trial started and unsigned: its heartbeat is never written
+        d = driver.Driver(recipe, url, FakeExecutor(), budget.Budget.for_recipe(recipe, sampler="random"),
+                          budget.Hooks(), workdir=None)  # fmt: skip
+        d.open([])
+        with pytest.raises(KeyboardInterrupt):
+            d.study.ask()
+        monkeypatch.setattr("tuner.resume.owner_alive", lambda *a: False)
+    monkeypatch.setattr(optuna.samplers.RandomSampler, "before_trial", before_trial)
+    summary = tune(recipe, trials=4)
+    assert summary.baseline is not None and summary.baseline.config == base.active_params()
+    labelled = [t for t in trials_of(summary, url) if t.user_attrs.get("role") == "baseline" and t.params]
+    assert {config_from_params(t.params).key() for t in labelled} == {base.key()}
+
+
+def test_a_study_interrupted_while_it_is_first_set_up_queues_its_baseline_on_the_rerun(tune, monkeypatch):
+    from tuner.study.driver import Driver
+
+    recipe = make_recipe("first-open", overrides={**NARROW, "micro_batch_size": [2, 4, 8]})
+    enqueue = Driver.enqueue
+
+    def interrupted(self, config, role):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Driver, "enqueue", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tune(recipe, trials=3)
+    monkeypatch.setattr(Driver, "enqueue", enqueue)
+    summary = tune(recipe, trials=3)
+    assert summary.baseline is not None and summary.speedup is not None
 
 
 def study_name_of(recipe) -> str:

@@ -53,6 +53,13 @@ def owner_alive(owner: dict[str, Any] | None, heartbeat: float | None, started: 
     return time.time() - last < STALE_AFTER_S
 
 
+def queued_params(t: FrozenTrial) -> dict[str, Any]:
+    """The config a RUNNING trial stands for, to queue again: a queued trial's (the baseline, the
+    fp32 reference, a retry) is in its fixed params from the moment `study.ask` starts it, its
+    params only once the sampler has run (a model sampler refits first: a second or more)."""
+    return t.system_attrs.get("fixed_params") or t.params
+
+
 def recover_dead_trials(study: optuna.Study, trials: list[FrozenTrial], me: dict[str, Any]) -> int:
     """Fail RUNNING trials whose driver is gone and queue their configs again; returns how many."""
     storage = study._storage  # trials of another driver are only reachable through the storage
@@ -71,7 +78,7 @@ def recover_dead_trials(study: optuna.Study, trials: list[FrozenTrial], me: dict
             storage.set_trial_user_attr(t._trial_id, keys.DRIVER_DIED, True)
             if storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
                 role = t.user_attrs.get(keys.ROLE) or keys.RETRY
-                study.enqueue_trial(t.params, user_attrs={keys.ROLE: role, keys.RETRY_OF: t.number})
+                study.enqueue_trial(queued_params(t), user_attrs={keys.ROLE: role, keys.RETRY_OF: t.number})
                 failed += 1
     return failed
 

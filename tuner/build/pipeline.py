@@ -89,7 +89,7 @@ def _plan(
     refusal = machine_refusal(config, recipe, family, number, described.device.count, described.device.where)
     if refusal is not None:
         raise BuildError(refusal)
-    built, no_kernels = build_plan(config, recipe, family)
+    built, no_kernels = build_plan(config, recipe, described.device)
     store.root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".work-{study[:40]}-{number}-", dir=store.root))
     spec = TrialSpec(

@@ -8,6 +8,7 @@ from typing import Any
 
 from tuner.build.base import NoStudyError, NoTrialError
 from tuner.config import Config, infeasible_reasons
+from tuner.devices import DeviceInfo
 from tuner.recipe import Recipe
 from tuner.record import keys
 
@@ -78,20 +79,19 @@ def machine_refusal(
     )
 
 
-def build_plan(config: Config, recipe: Recipe, family: str) -> tuple[Config, str | None]:
+def build_plan(config: Config, recipe: Recipe, info: DeviceInfo) -> tuple[Config, str | None]:
     """The config to compile, and why nothing will be compiled (None when it will be).
 
     A winner that already compiles is built as is and compared with compile=none; an eager one is
-    built with compile=default and compared with its own eager number, re-measured.
+    built with compile=default and compared with its own eager number, re-measured. `info`: the
+    devices the build runs on as the executor describes them (a Ray cluster's nodes: the machine
+    running the command may have none of them).
     """
-    from tuner.devices import describe
-
     if config.compile != "none":
         return config, None
-    if family == "npu":
+    if info.family == "npu":
         return config, "torch.compile is not driven on Ascend NPU, so the kernel part is not produced there"
     candidate = dataclasses.replace(config, compile="default")
-    info = describe(family)
     before = set(infeasible_reasons(config, recipe, info))
     reasons = [r for r in infeasible_reasons(candidate, recipe, info) if r not in before]
     if reasons:

@@ -29,7 +29,7 @@ from tuner.record.ranking import behind_line, contention_line, rank_trials, run_
 from tuner.record.status import OK, OOM, PRUNED
 from tuner.record.trial import from_frozen
 from tuner.result import TrialResult, TrialSpec
-from tuner.resume import new_owner, recover_dead_trials, similar_study_configs
+from tuner.resume import new_owner, queued_params, recover_dead_trials, similar_study_configs
 from tuner.settings import absolute_path, runs_dir
 from tuner.space import SearchSpace, config_from_params, load_space, trial_params
 from tuner.storage import get_storage
@@ -89,6 +89,8 @@ class Driver:
         self.owner = new_owner()
         self.workdir = (absolute_path(workdir) if workdir else runs_dir()) / self.name
         self.study: optuna.Study | None = None  # set by `open`
+        self.deadline = math.inf  # when the time budget ends (monotonic clock; set by `loop`)
+        self.asking_since: float | None = None  # while `study.ask` runs (unix time): its trial is ours
         self.pending: dict[str, Pending] = {}
         # What one read of the study says (`refresh`): finished trials that count, measured configs
         # by key, the estimator's calibration, and the best throughput so far (the ranking's).
@@ -130,8 +132,10 @@ class Driver:
         recover_dead_trials(self.study, self.study.get_trials(deepcopy=False), self.owner)
 
     def _first_open(self) -> None:
+        """The study's record and its first queue: the baseline, the fp32 reference and the warm
+        start. `keys.RECIPE` is written last: it marks this done, so a run interrupted before then
+        does it again on resume (`enqueue` skips what is queued already)."""
         for key, value in {
-            keys.RECIPE: self.recipe.to_dict(),
             keys.RECIPE_HASH: self.recipe.hash(),
             keys.FINGERPRINT: self.fp,
             keys.FINGERPRINT_HASH: fingerprint_hash(self.fp),
@@ -148,6 +152,7 @@ class Driver:
         fp_hash = fingerprint_hash(self.fp)
         for config in similar_study_configs(self.url, self.recipe, fp_hash, exclude=self.name):
             self.enqueue(config, keys.WARM_START)
+        self.study.set_user_attr(keys.RECIPE, self.recipe.to_dict())
 
     def enqueue(self, config: Config, role: str) -> bool:
         if not self.space.contains(config, self.recipe.hardware.devices):
@@ -241,6 +246,7 @@ class Driver:
     def loop(self) -> str:
         """Run trials until a budget runs out; returns why it stopped."""
         deadline = time.monotonic() + self.budget.timeout_s if self.budget.timeout_s else math.inf
+        self.deadline = deadline  # re-measurement starts no run after it either
         probe = self.spec(Config(dp=self.recipe.hardware.devices), "probe")
         while True:
             trials = self.refresh()
@@ -287,8 +293,10 @@ class Driver:
         self.hooks.progress({"event": event, "done": self.done, "total": self.budget.trials, **fields})
 
     def _start_one(self) -> None:
+        self.asking_since = time.time() - 1.0  # Optuna's start time is stored to the second or so
         trial = self.study.ask()
         self.storage.set_trial_system_attr(trial._trial_id, keys.OWNER, self.owner)
+        self.asking_since = None
         self.storage.set_trial_system_attr(trial._trial_id, keys.HEARTBEAT, time.time())
         role = trial.user_attrs.get(keys.ROLE)
         try:
@@ -415,10 +423,15 @@ class Driver:
         self.executor.cancel()
         self.pending.clear()
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if (t.system_attrs.get(keys.OWNER) or {}).get("id") != self.owner["id"]:
+            owner = t.system_attrs.get(keys.OWNER)
+            # Ours, or the one our `study.ask` started when Ctrl-C came before we could sign it.
+            asked = owner is None and self.asking_since is not None and t.datetime_start is not None
+            if not asked and (owner or {}).get("id") != self.owner["id"]:
+                continue
+            if asked and t.datetime_start.timestamp() < self.asking_since:
                 continue
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                 self.storage.set_trial_user_attr(t._trial_id, keys.CANCELLED, True)
                 self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
                 role = t.user_attrs.get(keys.ROLE) or keys.RETRY
-                self.study.enqueue_trial(t.params, user_attrs={keys.ROLE: role})
+                self.study.enqueue_trial(queued_params(t), user_attrs={keys.ROLE: role})

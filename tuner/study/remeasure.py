@@ -10,9 +10,12 @@ Each re-measurement is measured to the run-to-run noise, not to the recipe's tar
 precision per device-second than fewer tight ones.
 
 The configs take turns (A B C A B C): a slow drift of the machine's load then falls on all of them
-alike instead of on whichever config happened to run last."""
+alike instead of on whichever config happened to run last. Like a trial, no re-measurement starts
+after the study's time budget (`Driver.deadline`)."""
 
 from __future__ import annotations
+
+import time
 
 from tuner.db import session_scope
 from tuner.prune import verdict
@@ -77,9 +80,17 @@ def _remeasure_trials(driver: Driver, numbers: list[int], ranking: Ranking, runs
                 config, f"remeasure-{todo[0]}-{runs}", v.estimated_peak_mem_bytes, v.memory_budget_bytes
             )
             spec.target_ci = target
+            if time.monotonic() > driver.deadline:
+                todo.clear()  # the study's time budget is spent: no run starts after it
+                break
             if driver.executor.free_slots(spec) <= 0:
                 break
-            driver.executor.submit(spec)
+            try:
+                driver.executor.submit(spec)
+            except RuntimeError:
+                # A shared cluster took the slot `free_slots` offered: wait and offer it again.
+                time.sleep(HEARTBEAT_INTERVAL_S / 5)
+                break
             waiting[spec.tag] = todo.pop(0)
             runs += 1
         for result in driver.executor.wait(timeout=HEARTBEAT_INTERVAL_S):
