@@ -26,12 +26,27 @@ def _build_dir(tmp_path: Path) -> Path:
 def test_put_then_verify_and_open(tmp_path):
     store = ArtifactStore(tmp_path / "store")
     path, digest, size = store.put("gpt-tiny-abc", 3, _build_dir(tmp_path))
-    assert path == tmp_path / "store" / "gpt-tiny-abc" / "3.tar.gz"
+    assert path == tmp_path / "store" / "gpt-tiny-abc" / f"3-{digest[:12]}.tar.gz"
     assert size == path.stat().st_size and len(digest) == 64
     manifest = store.verify(path)
     assert set(manifest["files"]) == {"config.json", "kernels/rank0/cpp_fused_add_0.cpp"}
     with store.open("gpt-tiny-abc", 3, sha256=digest) as f:
         assert f.read(2) == b"\x1f\x8b"  # gzip magic: the archive itself, ready to stream
+
+
+def test_a_rebuild_of_the_same_trial_leaves_the_earlier_build_as_its_checksum_says(tmp_path):
+    """Two jobs of one recipe share its study and usually its winner: the second build must not
+    overwrite the first's archive, whose row and X-Checksum-Sha256 still name its bytes."""
+    store = ArtifactStore(tmp_path / "store")
+    first, first_sha, _ = store.put("s", 3, _build_dir(tmp_path / "a"))
+    build = _build_dir(tmp_path / "b")
+    (build / "config.json").write_text(json.dumps({"config": {"tp": 1}, "measured": "again"}))
+    write_manifest(build, {"torch": "x"})
+    second, second_sha, _ = store.put("s", 3, build)
+    assert first != second and first_sha != second_sha
+    assert store.verify(first, first_sha) and store.verify(second, second_sha)
+    with store.open("s", 3) as newest:
+        assert newest.name == str(second)
 
 
 def test_root_from_environment(tmp_path, monkeypatch):

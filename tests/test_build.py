@@ -97,7 +97,8 @@ def built(measured):
 
 def test_archive_is_registered_and_every_checksum_matches(measured, built):
     record = built["record"]
-    assert Path(record["path"]) == measured["fresh"] / "builds" / measured["study"] / "0.tar.gz"
+    name = f"0-{record['sha256'][:12]}.tar.gz"
+    assert Path(record["path"]) == measured["fresh"] / "builds" / measured["study"] / name
     manifest = built["store"].verify(record["path"], sha256=record["sha256"])
     for name in ["config.json", "launch.sh", "spec.json", "compile-cache.bin", "compiled-kernels.tar",
                  "kernels/index.json", "profile/breakdown.json", "profile/trace-rank0.json",

@@ -140,3 +140,15 @@ def test_a_gpu_winner_over_more_devices_than_this_machine_is_refused_and_a_cpu_o
     assert machine_refusal(winner, two_nodes, "cuda", 7, have=16) is None
     assert machine_refusal(winner, two_nodes, "cpu", 7, have=2) is None
     assert machine_refusal(winner, RECIPE, "cuda", 7, have=1) is None
+
+
+def test_launch_sh_keeps_the_runs_tuning_environment_but_not_which_devices_the_builder_saw(monkeypatch):
+    """A Ray task builds on the GPUs Ray gave it (say 6 and 7): pinning every node that runs the
+    script to those ids would leave a machine without them no device; thread counts travel."""
+    from tuner.build.launch import launch_script
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "6,7")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    script = launch_script(3, "gpt-x", 4, 1000.0, "H100", nodes=2)
+    assert "export OMP_NUM_THREADS=4" in script and "VISIBLE_DEVICES" not in script

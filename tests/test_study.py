@@ -591,3 +591,29 @@ def test_a_baseline_that_runs_out_of_memory_falls_back_to_the_next_smaller_micro
     assert [t.params["micro_batch_size"] for t in baselines][:2] == [8, 4]
     assert summary.baseline.config["micro_batch_size"] == 4
     assert summary.speedup is not None
+
+
+def test_a_study_tuned_further_after_its_build_names_its_new_best_in_every_view(tune, url):
+    """`tuner build`, then more trials that find a faster config: the study's REST and dashboard
+    views must name the new best as `tuner show` does, not the trial the old build was made of."""
+    from api.routes.studies import study_verdict
+    from tuner.build.base import BuildRecord
+    from tuner.build.register import register
+    from tuner.db import session_scope
+    from tuner.record.reader import read_study
+
+    recipe = make_recipe(
+        "rebuilt", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8], "amp": ["O0", "O1", "O2"]}
+    )
+    first = tune(recipe, trials=2)
+    register(url, BuildRecord(path="/x.tar.gz", sha256="0" * 64, size_bytes=1, study_name=first.study_name,
+                              trial_number=first.best.trial, compiled_tokens_per_s=None, eager_tokens_per_s=None,
+                              compile_cold_s=None, compile_warm_s=None))  # fmt: skip
+    with session_scope(url) as s:
+        assert study_verdict(s, read_study(s, first.study_name)).source == "build"
+    faster = Config(micro_batch_size=8, dp=2, amp="O2", attention="flash")
+    later = tune(recipe, trials=4, enqueue=[faster])
+    assert later.best.trial != first.best.trial
+    with session_scope(url) as s:
+        view = study_verdict(s, read_study(s, later.study_name))
+    assert (view.best.trial, view.source) == (later.best.trial, "ranking")

@@ -137,7 +137,10 @@ def safe_extract(archive: str | Path, dest: str | Path) -> Path:
 
 
 class ArtifactStore:
-    """A directory of builds: `<root>/<study>/<trial>.tar.gz`, each with a `.sha256` file beside it.
+    """A directory of builds: `<root>/<study>/<trial>-<sha256, 12 digits>.tar.gz`, each with a
+    `.sha256` file beside it. Each build of a trial keeps its own file: a rebuild (a second job of
+    the recipe, `tuner build` after a job) must not change the bytes an earlier build's row and
+    checksum name.
 
     The root is `root`, else `TUNER_ARTIFACT_DIR`, else `./builds` (`tuner.settings`), made absolute
     here: builds are compiled by processes running in other directories. Every path is derived
@@ -148,10 +151,13 @@ class ArtifactStore:
     def __init__(self, root: str | Path | None = None):
         self.root = absolute_path(root) if root else artifact_dir()
 
-    def path_for(self, study: str, trial: int) -> Path:
+    def path_for(self, study: str, trial: int, sha256: str | None = None) -> Path:
+        """The archive of that build (`sha256`), or the name builds before 0.1 took (`<trial>.tar.gz`)."""
         check_study_name(study)
         check_trial_number(trial)
-        path = self.root / study / f"{trial}.tar.gz"
+        if sha256 is not None and not re.fullmatch(r"[0-9a-f]{12,64}", sha256):
+            raise ArtifactError(f"{sha256!r} is not a sha256 in hex")
+        path = self.root / study / (f"{trial}-{sha256[:12]}.tar.gz" if sha256 else f"{trial}.tar.gz")
         self._inside(path)
         return path
 
@@ -173,15 +179,16 @@ class ArtifactStore:
         directory = Path(directory)
         if not (directory / MANIFEST).is_file():
             raise ArtifactError(f"{directory}: no {MANIFEST}; call write_manifest first")
-        path = self.path_for(study, trial)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._inside(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{trial}.", suffix=".tmp")
+        folder = self.path_for(study, trial).parent
+        folder.mkdir(parents=True, exist_ok=True)
+        self._inside(folder / ".")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{trial}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
                 for rel in [MANIFEST, *sorted(file_table(directory))]:
                     tar.add(directory / rel, arcname=rel, recursive=False, filter=_normalise)
             digest = sha256_file(tmp)
+            path = self.path_for(study, trial, digest)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -197,8 +204,12 @@ class ArtifactStore:
             return None
 
     def open(self, study: str, trial: int, sha256: str | None = None) -> IO[bytes]:
-        """The verified archive, opened for reading (e.g. to stream a download)."""
-        path = self.path_for(study, trial)
+        """The verified archive of that build (`sha256`; else the trial's newest), opened for
+        reading (e.g. to stream a download)."""
+        path = self.path_for(study, trial, sha256)
+        if sha256 is None:
+            builds = sorted(path.parent.glob(f"{trial}-*.tar.gz"), key=lambda p: p.stat().st_mtime)
+            path = builds[-1] if builds else path
         if not path.is_file():
             raise ArtifactError(f"no build for study {study!r} trial {trial} in {self.root}")
         self.verify(path, sha256)

@@ -45,10 +45,18 @@ def get_study(session: Session, name: str) -> StudyRecord:
 
 
 def study_verdict(session: Session, study: StudyRecord) -> Verdict:
-    """The winner of a study that is not a job's: the trial its build was made of, else the
-    ranking (`tuner.record.winner.job_verdict`, the rule every view of a job uses too)."""
+    """The winner of a study that is not a job's: the trial its build was made of while that is
+    still the ranking's best or tied with it, else the ranking (`tuner.record.winner.job_verdict`,
+    the rule every view of a job uses too). A study tuned further after its build has moved on:
+    naming the old build's trial would contradict `tuner show`."""
     build = latest_build(session, study.study_name)
-    return job_verdict("running", None, study, build.trial_number if build else None)
+    built = build.trial_number if build else None
+    if built is not None:
+        ranking = study.ranking()
+        entry = next((e for e in ranking.ranked if e.trial == built), None)
+        if entry is None or not (entry is ranking.best or ranking.tied_with_best(entry)):
+            built = None
+    return job_verdict("running", None, study, built)
 
 
 def _best(session: Session, listing: StudyListing) -> float | None:

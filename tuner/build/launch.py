@@ -19,8 +19,10 @@ if TYPE_CHECKING:
     from tuner.result import TrialSpec
 
 # Environment of the measured run that changes its speed; launch.sh exports what is set here.
+# Not which devices are visible (CUDA_/ASCEND_RT_VISIBLE_DEVICES): that is the machine's, not the
+# config's (a Ray task building on GPUs 6 and 7 would pin every node running the script to them).
 _LAUNCH_ENV = re.compile(
-    r"^(OMP_NUM_THREADS|MKL_NUM_THREADS|CUDA_VISIBLE_DEVICES|ASCEND_RT_VISIBLE_DEVICES|"
+    r"^(OMP_NUM_THREADS|MKL_NUM_THREADS|"
     r"PYTORCH_CUDA_ALLOC_CONF|PYTORCH_NPU_ALLOC_CONF|NCCL_\w+|TORCH_NCCL_\w+|HCCL_\w+|GLOO_\w+)$"
 )
 
