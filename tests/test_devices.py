@@ -329,3 +329,19 @@ def test_alloc_conf_is_a_gpu_knob_refused_on_cpu_with_the_reason():
     )
     assert load_space("cuda").domains["alloc_conf"] == ("default", "expandable_segments")
     assert load_space("cpu").domains["alloc_conf"] == ("default",)
+
+
+def test_the_host_running_out_of_memory_is_an_oom_not_an_error():
+    """torch's CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate
+    memory"): a CPU trial that ran out of memory must count as oom, so the OOM floor learns."""
+    import errno
+
+    import torch
+
+    from tuner.devices import is_oom
+
+    with pytest.raises(RuntimeError) as caught:
+        torch.empty(2**50, dtype=torch.uint8)  # a PiB
+    assert is_oom(caught.value)
+    assert is_oom(OSError(errno.ENOMEM, "Cannot allocate memory")) and is_oom(MemoryError())
+    assert not is_oom(RuntimeError("shape mismatch"))

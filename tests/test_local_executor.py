@@ -209,6 +209,55 @@ def test_a_node_helper_ends_the_trial_of_a_client_that_died_and_serves_the_next(
     assert not (standin / "node" / "helper.sock").exists()
 
 
+def test_a_client_gone_before_the_ranks_start_leaves_no_trial_running(standin, monkeypatch):
+    """A client that dies right after the helper forked its launcher (before the launcher started
+    its ranks, or called setsid): its session held nothing yet, so ending it ended nothing, and the
+    launcher went on to run the trial with nobody watching its timeout."""
+    from tuner.executors import local as executor_local
+    from tuner.executors import warm
+
+    helper = warm.WarmHelper(local.trial_env(), socket_path=str(standin / "node" / "helper.sock"))
+    try:
+        helper.wait_ready()
+        spec = make_spec(standin, "gone-early", timeout_s=600)
+        monkeypatch.setenv("TUNER_TEST_FAULT", "hang")
+        Path(spec.workdir).mkdir(parents=True, exist_ok=True)
+        (Path(spec.workdir) / "spec.json").write_text(json.dumps(spec.to_dict()))
+        env = executor_local.trial_env()
+        argv = [str(Path(spec.workdir) / "spec.json"), "2", "standin_rank"]
+        launched = helper.launch(argv, env, spec.workdir, str(Path(spec.workdir) / "launcher.log"))
+        launched._conn.close()  # the client is gone at once
+        time.sleep(5)  # long enough for a surviving launcher to have started its ranks
+        assert not trial_pids(spec), "the trial runs on with nobody supervising it"
+        assert helper.alive()
+    finally:
+        helper.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_driver_killed_leaves_no_helper_and_no_socket_folder(sig):
+    """A Ray worker or a driver killed with SIGTERM or SIGKILL never runs its `atexit` cleanup: the
+    helper notices its parent gone, ends, and removes the folder it was made for."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom tuner.executors import local, warm\nlocal.prestart_helper()\n"
+         "print(warm._shared._dir, warm._shared.pid, flush=True)\ntime.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, env=local.trial_env(),
+    )  # fmt: skip
+    folder, helper_pid = driver.stdout.readline().split()
+    assert Path(folder).is_dir()
+    driver.send_signal(sig)
+    driver.wait(timeout=30)
+    wait_for(lambda: not Path(folder).exists(), 30, "the helper's folder to go")
+    wait_for(
+        lambda: (
+            not Path(f"/proc/{helper_pid}").exists()
+            or "Z" in Path(f"/proc/{helper_pid}/stat").read_text().split(")")[1][:3]
+        ),
+        30,
+        "the helper to end",
+    )
+
+
 def test_a_node_helper_that_never_answers_costs_one_cold_trial_then_the_process_uses_its_own(
     standin, monkeypatch
 ):
@@ -321,17 +370,22 @@ def test_what_still_works_in_a_cancelled_trials_directory_is_ended(tmp_path):
     # the trial's directory (or below it) is waited for, then killed; others are left alone.
     from tuner.executors.session import end_processes_in, pids_in
 
+    # A trial's processes are a session led from its directory (the launcher's); a user's shell or
+    # `tail -f` sitting in the directory belongs to a session led elsewhere and is left alone.
     (tmp_path / "rank0").mkdir()
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
-    inside = subprocess.Popen([sys.executable, "-c", stubborn], cwd=tmp_path / "rank0")
+    inside = subprocess.Popen(
+        [sys.executable, "-c", stubborn], cwd=tmp_path / "rank0", start_new_session=True
+    )
     outside = subprocess.Popen([sys.executable, "-c", stubborn], cwd=Path(tmp_path).parent)
+    users = subprocess.Popen([sys.executable, "-c", stubborn], cwd=tmp_path)
     try:
         wait_for(lambda: pids_in(str(tmp_path)) == [inside.pid], 30, "the process in the trial's directory")
         assert end_processes_in(str(tmp_path), 0.3) == [inside.pid]
         assert inside.wait(timeout=5) == -signal.SIGKILL
-        assert pids_in(str(tmp_path)) == [] and outside.poll() is None
+        assert pids_in(str(tmp_path)) == [] and outside.poll() is None and users.poll() is None
     finally:
-        for p in (inside, outside):
+        for p in (inside, outside, users):
             p.kill()
             p.wait()
 
@@ -495,6 +549,26 @@ def test_a_rank_that_only_lost_its_peer_is_not_named_the_cause(tmp_path):
         res = classify(spec, work, 1, "exited")
         assert res.error.startswith("rank 1: TUNER_TEST_FAULT=raise"), (first, res.error)
         assert res.error_kind == "RuntimeError"
+
+
+def test_a_rank_that_failed_before_the_deadline_is_the_cause_of_a_timeout(tmp_path):
+    """Rank 0 ran out of memory 8.5 s into a 10 s timeout; rank 1 hung in a collective until the
+    deadline killed it. The trial is an oom (the floor learns from it), not a timeout; a record of
+    only a lost peer leaves it a timeout."""
+    from tuner.executors.outcome import classify
+
+    spec = TrialSpec(recipe={}, config={}, family="cpu", workdir=str(tmp_path), timeout_s=10)
+    oom = {
+        "status": "oom",
+        "error_kind": "OutOfMemoryError",
+        "error": "DefaultCPUAllocator: can't allocate memory",
+    }
+    (tmp_path / "rank0.error.json").write_text(json.dumps(oom))
+    res = classify(spec, tmp_path, None, "timeout")
+    assert (res.status, res.error) == ("oom", "rank 0: DefaultCPUAllocator: can't allocate memory")
+    lost = {"status": "error", "error_kind": "DistBackendError", "error": "Connection closed by peer"}
+    (tmp_path / "rank0.error.json").write_text(json.dumps(lost))
+    assert classify(spec, tmp_path, None, "timeout").status == "timeout"
 
 
 def test_a_launcher_flooded_with_sigterm_still_ends_its_ranks_and_records_them(tmp_path):

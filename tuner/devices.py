@@ -412,7 +412,14 @@ def alloc_env(family: str, alloc_conf: str, environ: dict[str, str] | None = Non
 
 
 def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
+    """Whether `exc` means memory ran out: a device's, or the host's (torch's CPU allocator raises a
+    plain RuntimeError, the OS an ENOMEM OSError)."""
+    import errno
+
+    from tuner.record.status import is_oom_text
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    text = str(exc)
-    return "out of memory" in text.lower() or "NPU out of memory" in text
+    if isinstance(exc, OSError) and exc.errno == errno.ENOMEM:
+        return True
+    return is_oom_text(str(exc))

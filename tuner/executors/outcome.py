@@ -9,11 +9,10 @@ import os
 from pathlib import Path
 
 from tuner.executors.session import signal_name
-from tuner.record.status import ERROR, OK, OOM, TIMEOUT
+from tuner.record.status import ERROR, OK, OOM, TIMEOUT, is_oom_text
 from tuner.result import TrialResult, TrialSpec
 
 LOG_TAIL_LINES = 40
-_OOM_TEXTS = ("CUDA out of memory", "NPU out of memory", "OutOfMemoryError", "out of memory")
 # What a rank reports when a peer died under it (gloo, NCCL/HCCL, the store): a consequence.
 _PEER_LOST_TEXTS = (
     "Connection closed by peer",
@@ -42,6 +41,14 @@ def classify(
     """`expect_result=False` for a node of a multi-node trial other than node 0: its ranks write no
     result.json, so all of them exiting 0 is an ok without metrics."""
     if ended == "timeout":
+        # A rank that failed before the deadline left its record; its peers then hang in a
+        # collective until the deadline kills them: the failure is the cause, not the timeout.
+        recorded = _rank_errors(workdir)
+        for r, err in sorted(
+            recorded.items(), key=lambda item: (item[1].get("status") != OOM, _lost_a_peer(item[1]))
+        ):
+            if not _lost_a_peer(err):
+                return _failed_result(err.get("status", ERROR), r, err)
         return TrialResult(
             status=TIMEOUT,
             error_kind="timeout",
@@ -91,13 +98,23 @@ def classify(
         hint = " (often the kernel's out-of-memory killer; check `dmesg`)" if name == "SIGKILL" else ""
         return TrialResult(status=ERROR, error_kind=name, error=f"rank {rank} was killed by {name}{hint}")
     log_tail = tail(workdir / "trial.log", LOG_TAIL_LINES)
-    if any(t in log_tail for t in _OOM_TEXTS):
+    if is_oom_text(log_tail):
         return TrialResult(status=OOM, error_kind="oom", error=f"rank {rank}: {_last_error_line(log_tail)}")
     return TrialResult(
         status=ERROR,
         error_kind="exit_code",
         error=f"rank {rank} exited with code {rc}: {_last_error_line(log_tail)}",
     )
+
+
+def _rank_errors(workdir: Path) -> dict[int, dict]:
+    """The error records the ranks wrote (`rank<N>.error.json`), by rank."""
+    out = {}
+    for path in workdir.glob("rank*.error.json"):
+        rank = path.name[len("rank") : -len(".error.json")]
+        if rank.isdigit() and (err := read_json(path)) is not None:
+            out[int(rank)] = err
+    return out
 
 
 def _failed_result(status: str, rank: int, err: dict) -> TrialResult:

@@ -46,26 +46,33 @@ def session_pids(sid: int) -> list[int]:
     return [pid for pid, fields in _live_processes() if int(fields[3]) == sid]
 
 
+def _inside(pid: int, root: str) -> bool:
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return cwd == root or cwd.startswith(root + os.sep)
+
+
 def pids_in(directory: str) -> list[int]:
-    """Live (non-zombie) processes of this machine working in `directory` or below it: where a
-    trial's launcher and ranks run (each trial has a directory of its own)."""
+    """Live (non-zombie) processes of this machine working in `directory` or below it, of a
+    trial's session: where a trial's launcher and ranks run (each trial has a directory of its
+    own, and its launcher leads a session there). A process whose session leader lives elsewhere
+    (a user's shell, or a `tail -f`, sitting in the directory) is not the trial's."""
     root = os.path.abspath(directory)
-    pids = []
-    for pid, _ in _live_processes():
-        if pid == os.getpid():
-            continue
-        try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            continue
-        if cwd == root or cwd.startswith(root + os.sep):
-            pids.append(pid)
-    return pids
+    live = dict(_live_processes())
+    return [
+        pid
+        for pid, fields in live.items()
+        if pid != os.getpid()
+        and _inside(pid, root)
+        and ((sid := int(fields[3])) == pid or sid not in live or _inside(sid, root))
+    ]
 
 
 def end_processes_in(directory: str, grace_s: float) -> list[int]:
-    """Wait up to `grace_s` for the processes working in `directory` to exit, then SIGKILL the
-    rest and wait for them to go. Returns the pids that had to be killed."""
+    """Wait up to `grace_s` for the trial's processes working in `directory` (`pids_in`) to exit,
+    then SIGKILL the rest and wait for them to go. Returns the pids that had to be killed."""
     left = _wait_gone(lambda: pids_in(directory), grace_s, 0.05)
     _signal_all(left, signal.SIGKILL)
     _wait_gone(lambda: pids_in(directory), TERM_GRACE_S, 0.02)
@@ -91,10 +98,16 @@ def kill_session(sid: int, leader: subprocess.Popen | None = None) -> None:
     """Terminate every process of session `sid`: SIGTERM, a grace period, then SIGKILL.
 
     The ranks are killed before the launcher, so the launcher (their parent) reaps them instead of
-    leaving zombies for init.
+    leaving zombies for init. Without `leader` (the warm helper's forked launcher, its unreaped
+    child: the pid cannot have been reused), the launcher is stopped first, so it forks no rank
+    while its session is ended, and killed last; it may not lead its session yet (a fork that has
+    not reached `setsid`), so it is signalled by pid.
     """
+    if leader is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sid, signal.SIGSTOP)
     others = [p for p in session_pids(sid) if p != sid]
-    if not others and (leader is None or leader.poll() is not None):
+    if not others and leader is not None and leader.poll() is not None:
         return
     _signal_all(others, signal.SIGTERM)
     left = _wait_gone(lambda: [p for p in session_pids(sid) if p != sid], TERM_GRACE_S, 0.05)
@@ -105,6 +118,8 @@ def kill_session(sid: int, leader: subprocess.Popen | None = None) -> None:
         except subprocess.TimeoutExpired:
             leader.kill()
             leader.wait()
+    else:
+        _signal_all([sid], signal.SIGKILL)  # stopped, it would not act on SIGTERM before SIGCONT
     _signal_all(session_pids(sid), signal.SIGKILL)
     # A killed process lives on until the kernel has torn it down (its memory, its sockets): wait
     # for that too, so that nothing of the trial is running when this returns.

@@ -171,7 +171,13 @@ class WarmHelper:
         # so from one that holds another `tuner` (a second checkout) it would import that one,
         # not the caller's (`env`'s PYTHONPATH); each trial's launcher runs in the trial's directory.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tuner.executors.warm", self.socket_path],
+            [
+                sys.executable,
+                "-m",
+                "tuner.executors.warm",
+                self.socket_path,
+                *(["--own-dir"] * self._own_dir),
+            ],
             cwd=self._dir,
             env=env,
             stdin=subprocess.PIPE,
@@ -340,4 +346,4 @@ def _close_shared() -> None:
 if __name__ == "__main__":
     from tuner.executors.warm_server import serve
 
-    serve(sys.argv[1], PRELOAD, prepare_compile)
+    serve(sys.argv[1], PRELOAD, prepare_compile, own_dir="--own-dir" in sys.argv[2:])

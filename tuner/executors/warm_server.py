@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import sys
@@ -52,11 +53,14 @@ def serve(
     preload: tuple[str, ...],
     prepare_compile: Callable[[], None] = lambda: None,
     initialised: Callable[[], str | None] = device_runtime,
+    own_dir: bool = False,
 ) -> None:
     """Serve fork requests on the Unix socket `path` after importing `preload`; the first request
     for a trial that compiles runs `prepare_compile` first (once). Once `initialised()` names a
     device runtime (after the preload, or after the preparation), every request is answered with
-    an error naming it, and its trial starts cold."""
+    an error naming it, and its trial starts cold. When the process that started it is gone, it
+    removes its socket (`own_dir`: and the directory it was made for), since a parent killed with
+    SIGTERM or SIGKILL never gets to."""
     for name in preload:
         importlib.import_module(name)
     prepared = False
@@ -76,16 +80,19 @@ def serve(
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
+    bound = os.stat(path).st_ino  # a later helper may bind this path again: only ours is removed
     listener.listen(64)
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, "accept")
     sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "parent")
     children: dict[int, socket.socket] = {}
-    os.write(1, b"ready\n")
+    with contextlib.suppress(BrokenPipeError):  # the parent died while we started: stdin says so next
+        os.write(1, b"ready\n")
     while True:
         for key, _ in sel.select(timeout=0.05):
             if key.data == "parent" and not os.read(key.fd, 4096):
-                _shutdown(children)  # the process that started us is gone
+                # The process that started us is gone.
+                _shutdown(children, path if _same_file(path, bound) else None, own_dir)
             elif key.data == "accept":
                 _accept(listener, sel, children, before_fork)
             elif isinstance(key.data, int):
@@ -168,10 +175,24 @@ def _reap(children: dict[int, socket.socket], sel: selectors.BaseSelector | None
             conn.close()
 
 
-def _shutdown(children: dict[int, socket.socket]) -> None:
+def _same_file(path: str, inode: int) -> bool:
+    try:
+        return os.stat(path).st_ino == inode
+    except OSError:
+        return False
+
+
+def _shutdown(children: dict[int, socket.socket], path: str | None, own_dir: bool) -> None:
+    """The process that started the helper is gone: end every trial, remove the socket (`path`,
+    None when another helper has bound it since) or the helper's own directory, and exit."""
     for pid in list(children):
         kill_session(pid)
     _reap(children)
+    with contextlib.suppress(OSError):
+        if path is not None and own_dir:
+            shutil.rmtree(os.path.dirname(path))
+        elif path is not None:
+            os.unlink(path)
     os._exit(0)
 
 

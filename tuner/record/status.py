@@ -18,6 +18,18 @@ from tuner.record.keys import DUPLICATE_OF, STATUS
 MeasuredStatus = Literal["ok", "oom", "error", "timeout"]
 Status = Literal["ok", "oom", "error", "timeout", "pruned", "duplicate", "failed", "running", "waiting"]
 
+# What an allocator says when memory runs out: CUDA's and Ascend's "out of memory", torch's
+# OutOfMemoryError, its CPU allocator's "DefaultCPUAllocator: can't allocate memory" and the OS's
+# ENOMEM text. One list for the rank that catches the error and the executor that reads its log.
+OOM_TEXTS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory")
+
+
+def is_oom_text(text: str) -> bool:
+    """Whether an error message says memory ran out (`OOM_TEXTS`, any case)."""
+    low = text.lower()
+    return any(t in low for t in OOM_TEXTS)
+
+
 OK: MeasuredStatus = "ok"
 OOM: MeasuredStatus = "oom"
 ERROR: MeasuredStatus = "error"
