@@ -132,6 +132,22 @@ def test_standin_failure_kills_waiting_peer(standin, fault, status, text):
     assert time.monotonic() - t0 < local.FAIL_GRACE_S + local.TERM_GRACE_S + 5
 
 
+def test_waiting_for_the_helper_to_be_ready_is_not_the_trials_timeout(standin, monkeypatch):
+    """The first trial waits for its helper (torch imported, Inductor prepared: 34 s once on a
+    loaded 2-core host); a trial's timeout counts from its own launch, not from that wait."""
+    from tuner.executors import warm
+
+    ready = warm.WarmHelper.wait_ready
+
+    def slow(self, timeout=warm.READY_TIMEOUT_S):
+        time.sleep(4)
+        ready(self, timeout)
+
+    monkeypatch.setattr(warm.WarmHelper, "wait_ready", slow)
+    res = run_trial(make_spec(standin, "patient", timeout_s=3.5), env={"TUNER_WARM_START": "1"})
+    assert (res.status, res.extra["start"]) == ("ok", "warm"), res.error
+
+
 def test_killing_the_warm_helper_between_trials_costs_no_trial(standin):
     from tuner.executors import warm
 

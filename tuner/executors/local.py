@@ -78,7 +78,7 @@ def run_trial(
     if module is None and warm.enabled(child_env):
         helper = warm.helper_for(child_env, helper_socket)
     for attempt in range(1 + retries):
-        result = _run_once(spec, cmd, child_env, start + spec.timeout_s, stop, helper, measures)
+        result = _run_once(spec, cmd, child_env, stop, helper, measures)
         # The rendezvous port is free when the launcher picks it but only bound seconds later,
         # once rank 0 has imported torch; another process may take it in between.
         clash = "address already in use" in f"{result.error} {result.log_tail}".lower()
@@ -116,11 +116,12 @@ def _run_once(
     spec: TrialSpec,
     cmd: list[str],
     env: dict[str, str],
-    deadline: float,
     stop: threading.Event | None,
     helper: warm.WarmHelper | warm.NodeHelper | None,
     measures: bool = True,
 ) -> TrialResult:
+    """One launch of the trial, timed out `spec.timeout_s` after its launcher started: waiting for
+    the helper to be ready (torch imported, Inductor prepared) is not the trial's time."""
     workdir = Path(spec.workdir)
     for stale in [workdir / "result.json", workdir / "exits.json", *workdir.glob("rank*.error.json")]:
         stale.unlink(missing_ok=True)
@@ -146,7 +147,7 @@ def _run_once(
             return TrialResult(
                 status=ERROR, error_kind="launch", error=f"cannot start the trial launcher: {err}"
             )
-    ended = _supervise(launcher, deadline, stop)
+    ended = _supervise(launcher, time.monotonic() + spec.timeout_s, stop)
     result = classify(spec, workdir, launcher.returncode, ended, expect_result=measures)
     result.extra["session"] = launcher.pid  # the trial's session id (its launcher leads it)
     result.extra["start"] = how
