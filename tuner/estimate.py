@@ -239,8 +239,6 @@ def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str
     if m.family == "llama":
         norms = 2 * 2 * bsh * 4 // seq  # input and normalised input, fp32, of both RMSNorms
         ffn = 4 * b * s * f // c.tp * comp  # w1 and w3 outputs, silu output, w2 input
-        if c.attention == "math":
-            attn //= 2 if comp == 4 else 1
         full = norms + 2 * bsh * comp + 5 * bsh // c.tp * comp + ffn + attn
         selective = norms + 2 * bsh * comp + ffn
     else:
