@@ -170,6 +170,24 @@ def test_a_bad_config_value_is_one_problem_naming_its_key(case):
     assert got_field == field and says in message and "\n" not in message, message
 
 
+def test_a_model_whose_layers_differ_is_refused_and_one_without_an_ffn_width_is_read():
+    """glm4_moe_lite's first layers are dense and the rest experts: one block times the layers
+    counted 12% of its parameters, so no config was pruned and the trials ran out of memory. A
+    type without intermediate_size (solar_open) raised an AttributeError through every entry point."""
+    from tuner.models.hf import _config_class, _declared
+
+    def config(model_type):
+        return {"model_type": model_type} | {
+            k: v for k, v in SMALL.items() if k in _declared(_config_class(model_type))
+        }
+
+    with pytest.raises(RecipeError) as err:
+        _recipe(config("glm4_moe_lite") | {"num_hidden_layers": 4})
+    (field, message), = err.value.problems  # fmt: skip
+    assert field == "model.config" and "layers differ in size" in message
+    assert _recipe(config("solar_open")).model.ffn is None
+
+
 def test_a_model_transformers_cannot_build_is_a_problem_not_a_traceback(monkeypatch):
     # A rope type the config lets through and the model's rotary embedding does not know.
     with pytest.raises(RecipeError) as err:

@@ -65,6 +65,22 @@ def test_unknown_plugins_and_bad_options_are_field_errors():
                                                  "seq_len": 32, "vocab": 256, "plugin": "tiny-moe"}})  # fmt: skip
 
 
+def test_a_plugin_that_fails_to_load_is_a_field_error_naming_it(monkeypatch):
+    """An installed entry point whose module is gone (a half-uninstalled package) raised through
+    every recipe parse: a 500 over REST, a traceback from the CLI."""
+    from importlib.metadata import EntryPoint
+
+    import tuner.models.plugins as plugins
+
+    broken = EntryPoint(name="broken", value="broken_plugin_missing:Family", group=plugins.GROUP)
+    monkeypatch.setattr(plugins, "installed", lambda: {"broken": broken})
+    plugins.load_plugin.cache_clear()
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict({"name": "p", "model": {"family": "plugin", "plugin": "broken", "seq_len": 16}})
+    (field, message), = err.value.problems  # fmt: skip
+    assert field == "model.plugin" and "failed to load (ModuleNotFoundError" in message
+
+
 def test_unknown_plugin_on_the_cli_rest_and_nightly_folder(tmp_path, client, auth):  # noqa: F811
     text = recipe_text("{family: plugin, plugin: nope, seq_len: 32}")
     path = tmp_path / "a.yaml"

@@ -246,10 +246,14 @@ def _build_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]
     if out:
         return out
     try:
-        counts(key)
+        c = counts(key)
     except Exception as err:  # noqa: BLE001 - same: the config is data, its failure the user's
         reason = _reason(err, typed=True)
         return [(_named(reason, config, where), f"transformers could not build the model: {reason}")]
+    if c["uneven_layer"]:
+        return [(where, f"its layers differ in size (layer 0 and layer {c['uneven_layer']}: dense first "
+                 "layers of a mixture of experts, or per-layer widths); the tuner's memory and FLOP "
+                 "estimates take every layer to be like the first, so such a model is not supported yet")]  # fmt: skip
     return []
 
 
@@ -294,7 +298,11 @@ def resolve_model(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str
     cfg = resolved(json.dumps(model["config"], sort_keys=True))
     out = dict(model)
     for field, attr in SIZE_FIELDS.items():
-        value = getattr(cfg, attr)
+        value = _attr(cfg, attr)
+        if value is None and field != "ffn":  # ffn: None takes the family's default width
+            problems.append(("model.config", f"model_type {model['config'].get('model_type')!r} has no "
+                             f"{attr}: the tuner reads a decoder's sizes from it; this type is not supported"))  # fmt: skip
+            continue
         if field in model and model[field] is not None and model[field] != value:
             problems.append((f"model.{field}", f"{model[field]} differs from model.config.{attr} ({value}); "
                                                f"remove {field}, the config sets it"))  # fmt: skip
@@ -313,7 +321,12 @@ def counts(config_json: str) -> dict[str, int]:
     with torch.device("meta"):
         model = hf_nn.build_hf(resolved(config_json))
     c = {"embedding": 0, "block": 0, "block_matmul": 0, "attention_matmul": 0, "head": 0, "total": 0}
-    block0 = model.model.layers[0]
+    layers = model.model.layers
+    block0 = layers[0]
+    # The estimates multiply one block by the layers: a model whose blocks differ (dense first
+    # layers of an MoE, per-layer widths) is refused by the recipe check (`_build_problems`).
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    c["uneven_layer"] = next((i for i, n in enumerate(sizes) if n != sizes[0]), 0)
     for name, p in block0.named_parameters():
         c["block"] += p.numel()
         if p.dim() == 2:

@@ -85,7 +85,14 @@ def plugin_problems(model: dict[str, Any]) -> list[tuple[str, str]]:
     if not isinstance(options, dict):
         return [("model.options", "must be a mapping of the plugin's options")]
     try:
-        load_plugin(name).options_model.model_validate(options)
+        family = load_plugin(name)
+    except Exception as err:  # noqa: BLE001 - a plugin's own failure to load is the recipe's to fix
+        first = (str(err).splitlines() or [""])[0]
+        package = plugin_package(name)[0]
+        return [("model.plugin", f"plugin {name!r} failed to load ({type(err).__name__}: {first}); "
+                                 f"reinstall or fix its package {package!r}")]  # fmt: skip
+    try:
+        family.options_model.model_validate(options)
     except ValidationError as err:
         return [
             (".".join(["model.options", *(str(p) for p in e["loc"])]), e["msg"].removeprefix("Value error, "))
@@ -100,7 +107,11 @@ def resolve_model(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str
     if problems:
         return model, problems
     family = load_plugin(model["plugin"])
-    sizes = family.sizes(family.options_model.model_validate(model.get("options") or {}))
+    try:
+        sizes = family.sizes(family.options_model.model_validate(model.get("options") or {}))
+    except Exception as err:  # noqa: BLE001 - the plugin's code, not ours: its failure names it
+        return model, [("model.plugin", f"plugin {model['plugin']!r} could not size the model: "
+                                        f"{type(err).__name__}: {err}")]  # fmt: skip
     out = dict(model)
     for field, value in sizes.items():
         if model.get(field) is not None and model[field] != value:
