@@ -147,7 +147,9 @@ class ModelSpec(_Section):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        from tuner.models import family_of
+
+        return family_of(self).head_dim(self)
 
     @property
     def kv_heads_count(self) -> int:

@@ -73,6 +73,11 @@ class ModelFamily:
     def ffn_size(self, m: ModelSpec) -> int:
         raise NotImplementedError
 
+    def head_dim(self, m: ModelSpec) -> int:
+        """Each attention head's width: the width over the heads, unless the model sets its own
+        (Qwen3: 16 heads of 128 over a width of 1,024)."""
+        return m.hidden // m.heads
+
     def kv_heads(self, m: ModelSpec) -> int:
         return m.heads
 
@@ -103,8 +108,9 @@ class ModelFamily:
         return m.layers * self.block_matmul_params(m) + m.hidden * m.vocab
 
     def attention_score_flops_per_token(self, m: ModelSpec, seq_len: int) -> float:
-        """QK^T and the weighted sum of V, forward and backward (6 * 2 * layers * hidden * seq)."""
-        return 12.0 * m.layers * m.hidden * seq_len
+        """QK^T and the weighted sum of V, forward and backward (6 * 2 * layers * heads * head_dim
+        * seq: the queries' width, which is the model's unless it sets its own head_dim)."""
+        return 12.0 * m.layers * m.heads * self.head_dim(m) * seq_len
 
     def flops_per_token(self, m: ModelSpec, seq_len: int | None = None) -> float:
         """Model FLOPs (forward + backward) per token, PaLM-style: 6N plus attention scores.
@@ -147,11 +153,11 @@ class ModelFamily:
         Qwen2 (tests/test_estimate.py)."""
         if recompute == "none":
             return 0.0
-        h, s = m.hidden, m.seq_len
-        attention = 2.0 * self.attention_matmul_params(m) + 4.0 * h * s  # projections, QK^T and AV
+        h, s, q = m.hidden, m.seq_len, m.heads * self.head_dim(m)
+        attention = 2.0 * self.attention_matmul_params(m) + 4.0 * q * s  # projections, QK^T and AV
         if recompute == "selective":
-            return attention - 2.0 * m.heads * m.head_dim * h
-        return 2.0 * self.block_matmul_params(m) + 4.0 * h * s - 2.0 * h * self.ffn_size(m)
+            return attention - 2.0 * q * h
+        return 2.0 * self.block_matmul_params(m) + 4.0 * q * s - 2.0 * h * self.ffn_size(m)
 
     def stage_layers(self, m: ModelSpec, stage: int, stages: int) -> range:
         """Decoder layers of pipeline stage `stage` of `stages` (the rules make pp divide layers)."""

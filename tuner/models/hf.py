@@ -367,6 +367,9 @@ class HFFamily(ModelFamily):
     def kv_heads(self, m: ModelSpec) -> int:
         return int(getattr(hf_config(m), "num_key_value_heads", None) or m.heads)
 
+    def head_dim(self, m: ModelSpec) -> int:
+        return int(_attr(hf_config(m), "head_dim") or super().head_dim(m))
+
     def column_parallel_inputs(self, m: ModelSpec) -> int:
         """The block entries of the model's own tensor-parallel plan that are column-wise."""
         plan = getattr(hf_config(m), "base_model_tp_plan", None) or {}
