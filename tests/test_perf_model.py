@@ -665,6 +665,27 @@ def test_tuner_plan_for_a_catalogued_gpu_on_a_machine_without_one(tmp_path):
     assert "Traceback" not in bad.stderr
 
 
+def test_a_plan_calibrates_memory_on_completed_trials_as_the_study_does(priors):
+    """Trials over the budget report peaks that are high by selection (and only a lower bound):
+    the study's calibration leaves them out, so the plan must too, or it prunes configs the study
+    would run (582 ranked against 946 in review)."""
+    from tuner.perf.observations import observation
+    from tuner.perf.plan import make_plan
+    from tuner.space import trial_params
+
+    recipe = recipe_from_dict(tiny(budget_gb=0.12))
+    obs = []
+    for i, c in enumerate(space_configs(recipe)[:6]):
+        est = step_work(recipe, c, CPU).peak_mem_bytes
+        ok = i < 3
+        attrs = {keys.STATUS: "ok" if ok else "oom", keys.TOKENS_PER_S: 9000.0, keys.STEP_TIME_SPREAD: 0.05,
+                 keys.ESTIMATED_PEAK_MEM_BYTES: est, keys.PEAK_MEM_RESERVED_BYTES: int(est * (1.1 if ok else 1.9))}  # fmt: skip
+        obs.append(observation(recipe, trial_params(c), attrs))
+    with_overruns = make_plan(recipe, observations=obs, device=CPU, top=1)
+    completed_only = make_plan(recipe, observations=obs[:3], device=CPU, top=1)
+    assert with_overruns.considered == completed_only.considered
+
+
 def test_a_plan_beyond_one_server_spans_nodes_of_it():
     """32 H100s are four 8-GPU servers: tensor-parallel groups stay inside one, and data parallel
     over all 32 pays the cross-node link (planned as one 32-GPU node it did not); a count that
