@@ -606,14 +606,14 @@ def test_a_recipe_for_a_device_this_machine_lacks_fails_with_the_fix(tmp_path):
 def test_a_recipe_this_machine_cannot_hold_fails_with_the_fix_before_any_trial(tmp_path):
     """The nightly's local run checks what `tuner tune` checks first: a recipe asking for more
     devices than the machine has fails with the field and the fix, and no trial is run for it."""
-    (tmp_path / "big.yaml").write_text(
+    (tmp_path / "big.yaml").write_text(  # 64 ranks fit its shapes and batch, not this machine
         "name: big\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
-        "hardware: {device: cpu, devices: 4096}\n"
+        "train: {global_batch_size: 64}\nhardware: {device: cpu, devices: 64}\n"
     )
     args = ["nightly", str(tmp_path / "big.yaml"), "--local", "--report", str(tmp_path / "rep")]
     code, out = invoke([*args, "--storage", f"sqlite:///{tmp_path}/t.db"])
     text = " ".join(out.split())
-    assert code == 1 and "big: FAILED (hardware.devices is 4096 but this machine has" in text
+    assert code == 1 and "big: FAILED (hardware.devices is 64 but this machine has" in text
     assert "lower hardware.devices" in text
     import optuna
 
@@ -632,18 +632,16 @@ def test_one_executor_serves_the_whole_pass_and_each_recipe_still_fails_on_its_o
     monkeypatch.setattr(
         tuner.executors, "make_executor", lambda name, **kw: made.append(name) or real(name, **kw)
     )
-    (tmp_path / "big.yaml").write_text(
+    (tmp_path / "big.yaml").write_text(  # 64 ranks fit its shapes and batch, not this machine
         "name: big\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
-        "hardware: {device: cpu, devices: 4096}\n"
+        "train: {global_batch_size: 64}\nhardware: {device: cpu, devices: 64}\n"
     )
     (tmp_path / "bigger.yaml").write_text(
         "name: bigger\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"
-        "hardware: {device: cpu, devices: 2048}\n"
+        "train: {global_batch_size: 128}\nhardware: {device: cpu, devices: 128}\n"
     )
     args = ["nightly", str(tmp_path), "--local", "--report", str(tmp_path / "rep")]
     code, out = invoke([*args, "--storage", f"sqlite:///{tmp_path}/t.db"])
     text = " ".join(out.split())
     assert code == 1 and made == ["local"]
-    assert (
-        "big: FAILED (hardware.devices is 4096" in text and "bigger: FAILED (hardware.devices is 2048" in text
-    )
+    assert "big: FAILED (hardware.devices is 64" in text and "bigger: FAILED (hardware.devices is 128" in text

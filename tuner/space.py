@@ -4,7 +4,7 @@ trial samples a `Config` from it with conditional knobs."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -179,12 +179,12 @@ class SearchSpace:
         if not all(reasons):
             return None
         field, message = reasons[0][0]
-        allowed = ", ".join(split_label(*s) for s in splits)
+        allowed = _some((split_label(*s) for s in splits), ", ")
         if all(r[0][0] == field for r in reasons):
             why = f"{message} in every split the space allows ({allowed}); widen search.overrides or change {field}"
             return ShapeProblem(field, why)
         # Each split fails for its own reason: the device count is what to change.
-        each = "; ".join(f"{split_label(*s)}: {r[0][1]}" for s, r in zip(splits, reasons, strict=True))
+        each = _some(f"{split_label(*s)}: {r[0][1]}" for s, r in zip(splits, reasons, strict=True))
         why = f"no split of {n} devices fits the model and batch ({each})"
         return ShapeProblem("hardware.devices", why, self.fitting_devices(recipe))
 
@@ -303,6 +303,13 @@ def _space_path(name_or_path: str | Path) -> Path:
     if path.suffix in (".yaml", ".yml") or path.exists() or "/" in text:
         return path
     return SPACES_DIR / f"{text}.yaml"
+
+
+def _some(items: Iterable[str], sep: str = "; ", shown: int = 4) -> str:
+    """The first `shown` of `items` joined, and how many more (4,096 devices have 91 splits)."""
+    items = list(items)
+    more = f"{sep}and {len(items) - shown} more" if len(items) > shown else ""
+    return sep.join(items[:shown]) + more
 
 
 def available_spaces() -> list[str]:
