@@ -41,19 +41,7 @@ def classify(
     """`expect_result=False` for a node of a multi-node trial other than node 0: its ranks write no
     result.json, so all of them exiting 0 is an ok without metrics."""
     if ended == "timeout":
-        # A rank that failed before the deadline left its record; its peers then hang in a
-        # collective until the deadline kills them: the failure is the cause, not the timeout.
-        recorded = _rank_errors(workdir)
-        for r, err in sorted(
-            recorded.items(), key=lambda item: (item[1].get("status") != OOM, _lost_a_peer(item[1]))
-        ):
-            if not _lost_a_peer(err):
-                return _failed_result(err.get("status", ERROR), r, err)
-        return TrialResult(
-            status=TIMEOUT,
-            error_kind="timeout",
-            error=f"trial ran past its timeout of {spec.timeout_s:g}s and was killed",
-        )
+        return _timed_out(spec, workdir)
     if ended == "cancelled":
         return TrialResult(status=ERROR, error_kind="cancelled", error="trial was cancelled")
     exits = read_json(workdir / "exits.json")
@@ -104,6 +92,22 @@ def classify(
         status=ERROR,
         error_kind="exit_code",
         error=f"rank {rank} exited with code {rc}: {_last_error_line(log_tail)}",
+    )
+
+
+def _timed_out(spec: TrialSpec, workdir: Path) -> TrialResult:
+    """A trial killed at its deadline. A rank that failed before it left its record, and its
+    peers then hung in a collective until the deadline: that failure is the cause, not the timeout."""
+    recorded = _rank_errors(workdir)
+    for r, err in sorted(
+        recorded.items(), key=lambda item: (item[1].get("status") != OOM, _lost_a_peer(item[1]))
+    ):
+        if not _lost_a_peer(err):
+            return _failed_result(err.get("status", ERROR), r, err)
+    return TrialResult(
+        status=TIMEOUT,
+        error_kind="timeout",
+        error=f"trial ran past its timeout of {spec.timeout_s:g}s and was killed",
     )
 
 
