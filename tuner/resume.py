@@ -57,7 +57,7 @@ def queued_params(t: FrozenTrial) -> dict[str, Any]:
     """The config a RUNNING trial stands for, to queue again: a queued trial's (the baseline, the
     fp32 reference, a retry) is in its fixed params from the moment `study.ask` starts it, its
     params only once the sampler has run (a model sampler refits first: a second or more)."""
-    return t.system_attrs.get("fixed_params") or t.params
+    return t.system_attrs.get(keys.FIXED_PARAMS) or t.params
 
 
 def recover_dead_trials(study: optuna.Study, trials: list[FrozenTrial], me: dict[str, Any]) -> int:

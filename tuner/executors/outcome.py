@@ -98,12 +98,10 @@ def classify(
 def _timed_out(spec: TrialSpec, workdir: Path) -> TrialResult:
     """A trial killed at its deadline. A rank that failed before it left its record, and its
     peers then hung in a collective until the deadline: that failure is the cause, not the timeout."""
-    recorded = _rank_errors(workdir)
-    for r, err in sorted(
-        recorded.items(), key=lambda item: (item[1].get("status") != OOM, _lost_a_peer(item[1]))
-    ):
-        if not _lost_a_peer(err):
-            return _failed_result(err.get("status", ERROR), r, err)
+    causes = {r: err for r, err in _rank_errors(workdir).items() if not _lost_a_peer(err)}
+    if causes:
+        rank = min(causes, key=lambda r: (causes[r].get("status") != OOM, r))  # an oom first
+        return _failed_result(causes[rank].get("status", ERROR), rank, causes[rank])
     return TrialResult(
         status=TIMEOUT,
         error_kind="timeout",

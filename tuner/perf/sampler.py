@@ -148,7 +148,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
         self._tpe.before_trial(study, trial)
         trials = study.get_trials(deepcopy=False)
         self._refit(trials, study)
-        fixed = trial.system_attrs.get("fixed_params")
+        fixed = trial.system_attrs.get(keys.FIXED_PARAMS)
         if fixed:
             config = _config_of(fixed)
             if config is not None and config.world_size == self.context.recipe.hardware.devices:
@@ -229,7 +229,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
         tried = set()
         for t in trials:
             config = _config_of(t.params) if t.params else None
-            fixed = _config_of(t.system_attrs.get("fixed_params") or {})
+            fixed = _config_of(t.system_attrs.get(keys.FIXED_PARAMS) or {})
             tried.update(c.key() for c in (config, fixed) if c is not None)
             if t.user_attrs.get(keys.CONFIG_KEY):
                 tried.add(t.user_attrs[keys.CONFIG_KEY])

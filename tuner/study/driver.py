@@ -293,7 +293,8 @@ class Driver:
         self.hooks.progress({"event": event, "done": self.done, "total": self.budget.trials, **fields})
 
     def _start_one(self) -> None:
-        self.asking_since = time.time() - 1.0  # Optuna's start time is stored to the second or so
+        # A second's slack: Optuna stores the start as a naive local datetime, read back here.
+        self.asking_since = time.time() - 1.0
         trial = self.study.ask()
         self.storage.set_trial_system_attr(trial._trial_id, keys.OWNER, self.owner)
         self.asking_since = None
