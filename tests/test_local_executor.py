@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -404,6 +405,33 @@ def test_what_still_works_in_a_cancelled_trials_directory_is_ended(tmp_path):
         for p in (inside, outside, users):
             p.kill()
             p.wait()
+
+
+def test_a_process_of_a_session_led_from_outside_the_pid_namespace_is_not_a_trials(tmp_path):
+    # In a container or a CI job, the runner's session is led from outside the pid namespace and
+    # reads 0 in /proc: a shell or a test sitting in a trial's directory is then not a trial's.
+    from tuner.executors.session import pids_in
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux's unshare")
+    script = (
+        "import subprocess, sys, time; from tuner.executors.session import pids_in\n"
+        f"d = {str(tmp_path)!r}\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], cwd=d)\n"
+        "time.sleep(0.5); print('session', open(f'/proc/{p.pid}/stat').read().rsplit(')')[1].split()[3])\n"
+        "print('pids_in', pids_in(d)); p.kill()\n"
+    )
+    run = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if run.returncode != 0 and "Operation not permitted" in run.stderr:
+        pytest.skip("creating a pid namespace needs root")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["session 0", "pids_in []"]
+    assert pids_in(str(tmp_path)) == []
 
 
 def test_cpus_pin_every_rank(standin):

@@ -58,16 +58,22 @@ def pids_in(directory: str) -> list[int]:
     """Live (non-zombie) processes of this machine working in `directory` or below it, of a
     trial's session: where a trial's launcher and ranks run (each trial has a directory of its
     own, and its launcher leads a session there). A process whose session leader lives elsewhere
-    (a user's shell, or a `tail -f`, sitting in the directory) is not the trial's."""
+    (a user's shell, or a `tail -f`, sitting in the directory) is not the trial's; one whose
+    leader has gone is (a trial whose launcher died), unless its session reads 0: led from outside
+    this pid namespace (a container's runner, a CI job), which no trial's launcher is."""
     root = os.path.abspath(directory)
     live = dict(_live_processes())
     return [
         pid
         for pid, fields in live.items()
-        if pid != os.getpid()
-        and _inside(pid, root)
-        and ((sid := int(fields[3])) == pid or sid not in live or _inside(sid, root))
+        if pid != os.getpid() and _inside(pid, root) and _trials_session(pid, int(fields[3]), live, root)
     ]
+
+
+def _trials_session(pid: int, sid: int, live: dict, root: str) -> bool:
+    """Whether session `sid` of process `pid` is a trial's: `pid` leads it, or its leader works in
+    `root` or is gone. Session 0 is led from outside this pid namespace."""
+    return sid > 0 and (sid == pid or sid not in live or _inside(sid, root))
 
 
 def end_processes_in(directory: str, grace_s: float) -> list[int]:
