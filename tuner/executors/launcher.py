@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from tuner.executors.kernel_oom import kills_since, oom_kills
 from tuner.executors.nodes import NodePart, free_port, rank_env
 from tuner.executors.session import TERM_GRACE_S, die_with_parent
 from tuner.stopping import StopFlag
@@ -62,6 +63,7 @@ class RankGroup:
         self.first_failure: float | None = None
         self.terminated_at: float | None = None
         self.all_exited_at: float | None = None
+        self.oom_kills_at_start = oom_kills()
 
     def run(self) -> None:
         with open(self.workdir / "trial.log", "ab") as log:
@@ -119,6 +121,8 @@ class RankGroup:
             "node_rank": 0 if node is None else node.node_rank,
             "port": port,
             "exits": self.exits,
+            # How many processes the kernel's OOM killer killed while the ranks ran (None: unknown).
+            "oom_kills": kills_since(self.oom_kills_at_start),
             "first_output": self.first_output,
             # CPU seconds of all ranks, which unlike wall time do not depend on how busy the machine is.
             "cpu_at_rank0_ready_s": self.cpu_at_ready,

@@ -81,10 +81,7 @@ def classify(
     if err:
         return _failed_result(err.get("status", ERROR), rank, err)
     if rc < 0:
-        name = signal_name(rc)
-        # Nothing here sends SIGKILL before a failure or the deadline; the kernel's OOM killer does.
-        hint = " (often the kernel's out-of-memory killer; check `dmesg`)" if name == "SIGKILL" else ""
-        return TrialResult(status=ERROR, error_kind=name, error=f"rank {rank} was killed by {name}{hint}")
+        return _killed(rank, signal_name(rc), exits.get("oom_kills"))
     log_tail = tail(workdir / "trial.log", LOG_TAIL_LINES)
     if is_oom_text(log_tail):
         return TrialResult(status=OOM, error_kind="oom", error=f"rank {rank}: {_last_error_line(log_tail)}")
@@ -93,6 +90,25 @@ def classify(
         error_kind="exit_code",
         error=f"rank {rank} exited with code {rc}: {_last_error_line(log_tail)}",
     )
+
+
+def _killed(rank: int, name: str, oom_kills: int | None) -> TrialResult:
+    """A rank killed by a signal, with no error record of its own. Nothing here sends SIGKILL before
+    a failure or the deadline; the kernel's OOM killer does, and its count says whether it did."""
+    if name == "SIGKILL" and oom_kills:
+        return TrialResult(
+            status=OOM,
+            error_kind="oom_killer",
+            error=f"rank {rank} was killed by the kernel's out-of-memory killer (it killed {oom_kills} "
+            "process(es) while the trial ran): the host ran out of memory; lower micro_batch_size, "
+            "enable recompute or set hardware.memory_budget_gb below the machine's memory",
+        )
+    hint = ""
+    if name == "SIGKILL":
+        hint = (
+            " (not the kernel's out-of-memory killer, by its count)" if oom_kills == 0 else " (check `dmesg`)"
+        )
+    return TrialResult(status=ERROR, error_kind=name, error=f"rank {rank} was killed by {name}{hint}")
 
 
 def _timed_out(spec: TrialSpec, workdir: Path) -> TrialResult:

@@ -1,0 +1,116 @@
+"""A rank the kernel's out-of-memory killer ends is an `oom`, not an `error`: the sampler's OOM floor
+and memory model learn from it as from a device OOM. The real thing: `tuner measure` run in a
+memory cgroup smaller than what one rank allocates."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tuner.executors.kernel_oom import kills_since, oom_kills
+from tuner.executors.outcome import classify
+from tuner.record.status import ERROR, OOM
+from tuner.result import TrialSpec
+
+TINY = {
+    "name": "oom-tiny",
+    "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256},
+    "train": {"global_batch_size": 8},
+    "hardware": {"device": "cpu", "devices": 2},
+    "measure": {"warmup_steps": 1, "steps": 3},
+}
+
+
+def _new_memory_cgroup(limit_bytes: int) -> Path:
+    """A fresh memory cgroup (v1 or v2) limited to `limit_bytes`, or a skip where none can be made."""
+    name = f"tuner-test-{uuid.uuid4().hex[:8]}"
+    v1 = Path("/sys/fs/cgroup/memory")
+    if v1.is_dir():
+        group, limit_file = v1 / name, "memory.limit_in_bytes"
+    else:
+        own = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[-1].lstrip("/")
+        group, limit_file = Path("/sys/fs/cgroup") / own / name, "memory.max"
+    try:
+        group.mkdir()
+        (group / limit_file).write_text(str(limit_bytes))
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        pytest.skip(f"cannot make a memory cgroup with a limit here ({err}); it needs root")
+    return group
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int):
+    group = _new_memory_cgroup(limit_bytes)
+    try:
+        yield group
+    finally:
+        deadline = time.monotonic() + 10
+        while True:  # its last processes are still being torn down for a moment
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def test_the_kernels_count_of_its_kills_is_read():
+    if not Path("/proc/vmstat").exists():
+        pytest.skip("no /proc/vmstat")
+    assert isinstance(oom_kills(), int) and kills_since(oom_kills()) == 0
+    assert kills_since(None) is None
+
+
+def test_a_rank_the_kernels_oom_killer_ends_is_an_oom_with_the_fix(tmp_path):
+    if oom_kills() is None:
+        pytest.skip("the kernel's oom_kill count is not readable here")
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    env = {**os.environ, "TUNER_TEST_FAULT": "alloc:3000", "TUNER_TEST_FAULT_RANK": "1"}
+    with memory_cgroup(1200 * 2**20) as group:
+        run = subprocess.run(
+            ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+            + [sys.executable, "-m", "tuner.cli.main", "measure", "tiny.yaml", "--json"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    doc = json.loads(run.stdout)
+    assert doc["status"] == OOM, doc["error"]
+    assert "rank 1 was killed by the kernel's out-of-memory killer" in doc["error"]
+    assert "micro_batch_size" in doc["error"]
+
+
+def _ranks_exited(workdir: Path, oom_kills_then: int | None) -> TrialSpec:
+    exits = [{"rank": 1, "returncode": -9, "t": 1.0}, {"rank": 0, "returncode": 1, "t": 1.5}]
+    (workdir / "exits.json").write_text(json.dumps({"exits": exits, "oom_kills": oom_kills_then}))
+    (workdir / "rank0.error.json").write_text(
+        json.dumps({"status": ERROR, "error": "Connection closed by peer"})
+    )
+    return TrialSpec(recipe={}, config={}, family="cpu", workdir=str(workdir))
+
+
+@pytest.mark.parametrize(
+    ("kills", "status", "says"),
+    [
+        (1, OOM, "out-of-memory killer (it killed 1 process(es)"),
+        (0, ERROR, "SIGKILL (not the kernel's out-of-memory killer, by its count)"),
+        (None, ERROR, "SIGKILL (check `dmesg`)"),
+    ],
+)
+def test_a_sigkilled_rank_is_an_oom_only_when_the_kernel_counted_a_kill(tmp_path, kills, status, says):
+    result = classify(_ranks_exited(tmp_path, kills), tmp_path, 0, "exited")
+    assert result.status == status and says in result.error and result.error.startswith("rank 1 ")
