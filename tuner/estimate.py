@@ -221,7 +221,8 @@ def _state_bytes(recipe: Recipe, config: Config, stage: int) -> _State:
 
 
 def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str, int]:
-    """Bytes one block saves for backward, per recompute mode, by family. Measured against
+    """Bytes one block saves for backward, per recompute mode, by the family's kind of block
+    (`gated_mlp`, `rms_norm`: a Qwen2 saves what a llama block does). Measured against
     autograd's saved tensors (tests/test_estimate.py) on torch 2.13: RMSNorm keeps fp32 copies
     of its input and normalised input whatever the dtype; LayerNorm keeps its input."""
     m, c = recipe.model, config
@@ -236,17 +237,19 @@ def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str
     # of the column-parallel matmuls stay whole.
     seq = c.tp if (c.sequence_parallel and c.tp > 1) else 1
     attn = _attention_matrix(c.attention, b, heads, s, comp, device.family, bsh // c.tp)
-    if m.family == "llama":
+    family = family_of(m)
+    if family.rms_norm(m):
         norms = 2 * 2 * bsh * 4 // seq  # input and normalised input, fp32, of both RMSNorms
-        ffn = 4 * b * s * f // c.tp * comp  # w1 and w3 outputs, silu output, w2 input
-        full = norms + 2 * bsh * comp + 5 * bsh // c.tp * comp + ffn + attn
-        selective = norms + 2 * bsh * comp + ffn
+        kept = 2 * bsh * comp  # what selective keeps of the attention's inputs and output
     else:
         norms = 2 * bsh * resid // seq  # LayerNorm inputs
-        ffn = 2 * b * s * f // c.tp * comp  # GELU input, MLP-down input
-        full = norms + 2 * bsh * comp + 5 * bsh // c.tp * comp + ffn + attn
-        selective = norms + bsh * 4 + bsh * comp + ffn
-    return {"none": full, "full": bsh * resid // seq, "selective": selective}
+        kept = bsh * 4 + bsh * comp
+    if family.gated_mlp(m):
+        ffn = 4 * b * s * f // c.tp * comp  # gate and up outputs, the activation's output, down's input
+    else:
+        ffn = 2 * b * s * f // c.tp * comp  # the activation's input, down's input
+    full = norms + 2 * bsh * comp + 5 * bsh // c.tp * comp + ffn + attn
+    return {"none": full, "full": bsh * resid // seq, "selective": norms + kept + ffn}
 
 
 def _activation_bytes(

@@ -42,6 +42,7 @@ class ModelFamily:
     Formulas take the recipe's `ModelSpec` and count what the family's torch module really holds
     and computes; a test checks each against a built model. Methods:
     - `ffn_size(m)`: the MLP inner width (the recipe's `ffn`, else the family's rule);
+      `gated_mlp(m)`, `rms_norm(m)`: the block's kind, for what it saves for backward;
     - `block_params(m)`, `block_matmul_params(m)`: one decoder block, all / only what tensor
       parallel splits (the Linear weights);
     - `embedding_params(m)`, `head_params(m)`: what the first / last pipeline stage holds
@@ -52,7 +53,7 @@ class ModelFamily:
     - `column_parallel_inputs(m)`, `tp_collectives(m, sequence_parallel, recompute)`: what tensor
       parallelism sends per block;
     - `stage_layers(m, stage, stages)`: the decoder layers a pipeline stage owns;
-    - `build(m, attention)`: the torch module, on whatever device is current (the workload uses
+    - `preload(m)`: import what `build` runs; `build(m, attention)`: the torch module, on whatever device is current (the workload uses
       `meta`); `parallelize(model, tp_mesh, sequence_parallel)`; `init_rule(m)`;
     - `requires(m)`: what must be installed besides this project to build it (`Requirement`).
     """
@@ -80,6 +81,16 @@ class ModelFamily:
 
     def kv_heads(self, m: ModelSpec) -> int:
         return m.heads
+
+    def gated_mlp(self, m: ModelSpec) -> bool:
+        """Whether the MLP is gated (SwiGLU: down(act(gate x) * up x), three matrices) rather
+        than down(act(up x)): it saves twice the inner-width tensors for backward."""
+        return False
+
+    def rms_norm(self, m: ModelSpec) -> bool:
+        """Whether the blocks normalise with RMSNorm (which saves fp32 copies of its input and
+        output whatever the dtype) rather than LayerNorm (its input)."""
+        return False
 
     # --- formulas --------------------------------------------------------------------------
     def block_params(self, m: ModelSpec) -> int:
@@ -177,6 +188,11 @@ class ModelFamily:
         import importlib
 
         return importlib.import_module(self.nn_module)
+
+    def preload(self, m: ModelSpec) -> None:
+        """Import the code `build` will run, so that a CPU rank's memory baseline, read after
+        this, counts what the model holds and not the libraries' code and data."""
+        self._nn()
 
     def build(self, m: ModelSpec, attention: str = "math") -> nn.Module:
         return self._nn().build(m, attention)

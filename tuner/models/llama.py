@@ -49,6 +49,12 @@ class LlamaFamily(ModelFamily):
         inner = int(2 * (4 * m.hidden) / 3)
         return multiple * ((inner + multiple - 1) // multiple)
 
+    def gated_mlp(self, m: ModelSpec) -> bool:
+        return True
+
+    def rms_norm(self, m: ModelSpec) -> bool:
+        return True
+
     def column_parallel_inputs(self, m: ModelSpec) -> int:
         return 5  # wq, wk, wv; w1, w3
 

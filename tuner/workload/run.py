@@ -51,7 +51,8 @@ from tuner.memory import (
     peak_memory,
     reset_peak_memory,
 )
-from tuner.recipe import MeasureSpec
+from tuner.models import family_of
+from tuner.recipe import MeasureSpec, recipe_from_dict
 from tuner.record.status import ERROR, OK, OOM
 from tuner.result import TrialResult, TrialSpec
 from tuner.workload.adaptive import Measurement, Plan
@@ -370,10 +371,13 @@ def main(spec: TrialSpec) -> int:
     os.environ.update(alloc_env(spec.family, spec.config.get("alloc_conf", "default")))
     exact_host_memory(spec.family)  # TUNER_HOST_MEMORY=exact: see the module docstring
     one_malloc_heap(spec.family)  # so the held-memory step can hand every freed byte back
-    # Before the model exists: CPU peak memory is growth of the resident set over this point.
-    baseline = reset_peak_memory(spec.family)
     workdir = Path(spec.workdir)
     try:
+        model = recipe_from_dict(spec.recipe, "spec.recipe").model
+        family_of(model).preload(model)
+        # Before the model exists, its code loaded: CPU peak memory is growth of the resident
+        # set over this point.
+        baseline = reset_peak_memory(spec.family)
         env = RankEnv.from_environ()
         result = run_rank(spec, env, baseline)
         if result is not None:
