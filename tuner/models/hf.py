@@ -11,7 +11,7 @@ model must build: whatever transformers or torch raises is the recipe's problem 
 message)` pair), never a traceback. The model is built with `AutoConfig.for_model` and
 `AutoModelForCausalLM.from_config` on the meta device (`hf_nn`), never from the hub. The
 recipe's sizes (layers, hidden, heads, vocab, ffn) are the config's (`resolve_model`), and the
-parameter counts are the meta model's own (`counts`).
+parameter counts are the meta model's own (`hf_layout.counts`).
 
 Unlike gpt and llama, this module loads torch when it counts: `transformers`' config classes
 import it.
@@ -246,6 +246,8 @@ def _build_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]
     out = _shape_problems(cfg, config, where)
     if out:
         return out
+    from tuner.models.hf_layout import counts, layout_problem
+
     try:
         c = counts(key)
     except Exception as err:  # noqa: BLE001 - same: the config is data, its failure the user's
@@ -255,7 +257,8 @@ def _build_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]
         return [(where, f"its layers differ in size (layer 0 and layer {c['uneven_layer']}: dense first "
                  "layers of a mixture of experts, or per-layer widths); the tuner's memory and FLOP "
                  "estimates take every layer to be like the first, so such a model is not supported yet")]  # fmt: skip
-    return []
+    problem = layout_problem(key)
+    return [(where, f"{problem}; the tuner's decoder cannot run it yet")] if problem else []
 
 
 @functools.lru_cache(maxsize=64)
@@ -311,42 +314,6 @@ def resolve_model(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str
     return out, problems
 
 
-@functools.lru_cache(maxsize=64)
-def counts(config_json: str) -> dict[str, int]:
-    """Parameter counts of the meta model: embedding, one block (all / matmul / attention
-    matmul), the head (final norm and, untied, the output projection), the whole model."""
-    import torch
-
-    from tuner.models import hf_nn
-
-    with torch.device("meta"):
-        model = hf_nn.build_hf(resolved(config_json))
-    c = {"embedding": 0, "block": 0, "block_matmul": 0, "attention_matmul": 0, "head": 0, "total": 0}
-    layers = model.model.layers
-    block0 = layers[0]
-    # The estimates multiply one block by the layers: a model whose blocks differ (dense first
-    # layers of an MoE, per-layer widths) is refused by the recipe check (`_build_problems`).
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    c["uneven_layer"] = next((i for i, n in enumerate(sizes) if n != sizes[0]), 0)
-    for name, p in block0.named_parameters():
-        c["block"] += p.numel()
-        if p.dim() == 2:
-            c["block_matmul"] += p.numel()
-            if name.startswith("self_attn."):
-                c["attention_matmul"] += p.numel()
-    # The block's kind: three inner-width matrices, a gated MLP (not an MoE's experts); RMSNorm.
-    f, h = int(getattr(model.config, "intermediate_size", 0) or 0), model.config.hidden_size
-    c["gated_mlp"] = int(c["block_matmul"] - c["attention_matmul"] == 3 * h * f)
-    c["rms_norm"] = int(any("RMSNorm" in type(mod).__name__ for mod in block0.modules()))
-    c["embedding"] = model.model.embed_tokens.weight.numel()
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    c["head"] = sum(p.numel() for p in model.model.norm.parameters())
-    c["head"] += 0 if tied else model.lm_head.weight.numel()
-    c["tied"] = int(tied)
-    c["total"] = sum(p.numel() for p in model.parameters())
-    return c
-
-
 class HFFamily(ModelFamily):
     name = "hf"
     fields = ("config",)
@@ -361,6 +328,8 @@ class HFFamily(ModelFamily):
         return super().check_field(field, value, values)
 
     def _c(self, m: ModelSpec) -> dict[str, int]:
+        from tuner.models.hf_layout import counts
+
         return counts(_key(m.config))
 
     def tied(self, m: ModelSpec) -> bool:

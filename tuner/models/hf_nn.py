@@ -3,7 +3,11 @@ whatever device is current: the workload uses `meta`), rearranged into the tuner
 skeleton so pipeline stages, recompute, offload, compile, FSDP and DDP treat it like gpt and
 llama: `embed_tokens` (first stage), `layers` (transformers' decoder layers, keyed by index),
 `norm` and `lm_head` (last stage). The rotary embedding's tables are computed on the host, outside
-the module tree, so the meta build never leaves them uninitialised.
+the module tree, so the meta build never leaves them uninitialised. Around the layers it does what
+transformers' own forward does: per layer type (`layer_types`: full or sliding attention) its
+rotary tables and mask (a window, by transformers' `create_sliding_window_causal_mask`; none for
+full attention, which SDPA runs causal), the embeddings' multiplier and the logits' scale or
+softcap. `hf_layout.layout_problem` refuses, at the recipe check, the layouts it cannot run.
 
 Tensor parallel follows the model's own `base_model_tp_plan`, translated to DTensor
 `parallelize_module` (colwise -> ColwiseParallel, rowwise -> RowwiseParallel); the embedding and
@@ -11,6 +15,8 @@ the output are split over the vocabulary, and the loss is the vocabulary-paralle
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -68,29 +74,96 @@ class HFDecoder(Decoder):
         with torch.device("cpu"):
             rotary = type(hf.model.rotary_emb)(config=cfg)
         self._rotary = [rotary]  # a list: not a submodule, so never on meta nor in the state
+        # Per layer, as transformers' own model: "full_attention" or "sliding_attention" (its
+        # mask and, where the rotary embedding takes a layer type, its own rotary tables).
+        # A config without layer types but with a window (Mistral, Starcoder2) slides in every layer.
+        every = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
+        self.layer_types = list(getattr(cfg, "layer_types", None) or [every] * len(self.layers))
+        self._typed_rotary = "layer_type" in inspect.signature(rotary.forward).parameters
         self.retie()
 
     def retie(self) -> None:
         if self.tied and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def _position_embeddings(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple]:
+        """(cos, sin) by layer type, from the host's tables, in the hidden states' dtype as
+        transformers' own model has them (bf16 under amp=O2)."""
+        cpu_x = torch.empty(1, device="cpu", dtype=torch.float32)
+        # Made on the host, not copied from the device (which would wait for it every step).
+        cpu_positions = torch.arange(positions.shape[1], device="cpu").unsqueeze(0)
+        out = {}
+        for kind in set(self.layer_types):
+            extra = (kind,) if self._typed_rotary else ()
+            cos, sin = self._rotary[0](cpu_x, cpu_positions, *extra)
+            out[kind] = (cos.to(x.device, x.dtype), sin.to(x.device, x.dtype))
+        return out
+
+    def _masks(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """The attention mask by layer type, by transformers' own rules: None (causal, SDPA's
+        is_causal) for full attention; a window for sliding layers once the sequence is longer."""
+        masks: dict[str, torch.Tensor | None] = {"full_attention": None}
+        if "sliding_attention" in self.layer_types:
+            from transformers.masking_utils import create_sliding_window_causal_mask
+
+            cfg = hf_config(self.spec)
+            masks["sliding_attention"] = create_sliding_window_causal_mask(
+                config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions
+            )
+        return masks
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
-            x = self.embed_tokens(x)
+            x = _scale_embeddings(self.embed_tokens(x), hf_config(self.spec))
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        rotary = self._rotary[0]
-        cpu_x = torch.empty(1, device="cpu", dtype=torch.float32)
-        cos, sin = rotary(cpu_x, positions.cpu())
-        # In the hidden states' dtype, as transformers' own model does (bf16 under amp=O2).
-        cos, sin = cos.to(x.device, x.dtype), sin.to(x.device, x.dtype)
-        for layer in self.layers.values():
-            out = layer(x, position_ids=positions, position_embeddings=(cos, sin))
+        rotary, masks = self._position_embeddings(x, positions), self._masks(x, positions)
+        for i, layer in self.layers.items():
+            kind = self.layer_types[int(i)]
+            out = layer(
+                x, attention_mask=masks[kind], position_ids=positions, position_embeddings=rotary[kind]
+            )
             x = out[0] if isinstance(out, tuple) else out
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is not None:
-            x = self.lm_head(x)
+            x = _finish_logits(self.lm_head(x), hf_config(self.spec))
         return x
+
+
+# What a model's own forward does around the modules the decoder takes, by model type: the
+# embeddings' multiplier (before the first block), and the logits' scale (+1: times the config's
+# value, -1: divided by it). Gemma's `final_logit_softcapping` is read from any config.
+_EMBEDDING_SCALE = {
+    "granite": "embedding_multiplier",
+    "granite_swa": "embedding_multiplier",
+    "hyperclovax": "embedding_multiplier",
+    "hrm_text": "embedding_scale",
+}
+_LOGIT_SCALE = {
+    "cohere": ("logit_scale", 1),
+    "cohere2": ("logit_scale", 1),
+    "cohere2_moe": ("logit_scale", 1),
+    "hyperclovax": ("logits_scaling", 1),
+    "granite": ("logits_scaling", -1),
+    "granite_swa": ("logits_scaling", -1),
+    "minicpm3": ("logits_scaling", -1),
+}
+
+
+def _scale_embeddings(x: torch.Tensor, cfg) -> torch.Tensor:
+    key = _EMBEDDING_SCALE.get(cfg.model_type)
+    return x * getattr(cfg, key) if key and getattr(cfg, key, None) not in (None, 1) else x
+
+
+def _finish_logits(logits: torch.Tensor, cfg) -> torch.Tensor:
+    """What the model's causal-LM head does after its projection (`_LOGIT_SCALE`, softcapping)."""
+    key, power = _LOGIT_SCALE.get(cfg.model_type, (None, 0))
+    if key and getattr(cfg, key, None) not in (None, 1):
+        logits = logits * getattr(cfg, key) if power > 0 else logits / getattr(cfg, key)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def build(m, attention_backend: str = "math") -> HFDecoder:
