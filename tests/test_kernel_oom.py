@@ -89,7 +89,7 @@ def test_a_rank_the_kernels_oom_killer_ends_is_an_oom_with_the_fix(tmp_path):
             timeout=240,
         )
     doc = json.loads(run.stdout)
-    assert doc["status"] == OOM, doc["error"]
+    assert run.returncode == 1 and doc["status"] == OOM, doc["error"]
     assert "rank 1 was killed by the kernel's out-of-memory killer" in doc["error"]
     assert "micro_batch_size" in doc["error"]
 

@@ -141,9 +141,11 @@ def test_json_profile_and_derived_split(recipe, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failed_trial_still_exits_0_and_shows_its_status(recipe, tmp_path):
+def test_a_failed_trial_exits_1_and_shows_its_status(recipe, tmp_path):
+    # Exit 2 is bad input (nothing ran); 1 a trial that ran and did not end ok, so that a script
+    # checking one config sees it failed without parsing the output.
     out = tuner(str(recipe), "--timeout-s", "1", "--workdir", str(tmp_path / "w"), cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr
     assert "trial: timeout" in out.stdout
     assert "ran past its timeout of 1s" in out.stdout
     assert (tmp_path / "w" / "trial.log").exists()

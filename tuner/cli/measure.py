@@ -118,6 +118,8 @@ def measure(
             _print_profile(copied)
     if profile is not None and not copied and result.status == OK:
         err_console.print(f"[yellow]warning:[/] the trial wrote no profile under {spec.workdir}/profile")
+    if result.status != OK:  # a script sees the failure in the exit status, as it reads the output
+        raise typer.Exit(1)
 
 
 def _trial_spec(
