@@ -164,3 +164,27 @@ def test_the_cuda_benchmark_sweep_goes_through_the_same_rules(capsys):
         "(FlashAttention takes fp16/bf16 only); use amp=O1 or O2, or attention=math or efficient"
     ]
     assert len(lines) >= 15
+
+
+def mistral(seq_len: int, window: int):
+    config = {"model_type": "mistral", "hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "intermediate_size": 2048, "vocab_size": 8192, "sliding_window": window}  # fmt: skip
+    return recipe_from_dict({"name": "sw", "model": {"family": "hf", "seq_len": seq_len, "config": config},
+                             "train": {"global_batch_size": 64}, "hardware": {"device": "cuda", "devices": 8},
+                             "search": {"space": "cuda"}})  # fmt: skip
+
+
+def test_a_sliding_window_shorter_than_the_sequence_rules_out_the_kernels_that_take_no_mask():
+    """The window is an explicit mask, which PyTorch's flash and cuDNN kernels refuse at run time
+    ("No available kernel"): such a config, the baseline included, would end in an error."""
+    h100 = known_device("H100")
+    config = Config(dp=8, attention="flash", amp="O1", amp_dtype="bf16")
+    assert infeasible_reasons(config, mistral(4096, 1024), h100) == [
+        "attention=flash takes no attention mask on cuda, and this model's sliding-window layers need "
+        "one at this seq_len; use attention=efficient or math"
+    ]
+    assert not infeasible_reasons(config, mistral(1024, 1024), h100)  # within the window: plain causal
+    assert not infeasible_reasons(
+        Config(**{**config.to_dict(), "attention": "efficient"}), mistral(4096, 1024), h100
+    )
+    assert baseline_config(mistral(4096, 1024), h100, load_space("cuda")).attention == "efficient"

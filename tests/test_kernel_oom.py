@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tuner.executors.kernel_oom import kills_since, oom_kills
+from tuner.executors.kernel_oom import _cgroup_file, kills_since, oom_kills
 from tuner.executors.outcome import classify
 from tuner.record.status import ERROR, OOM
 from tuner.result import TrialSpec
@@ -66,11 +67,24 @@ def memory_cgroup(limit_bytes: int):
                 time.sleep(0.1)
 
 
-def test_the_kernels_count_of_its_kills_is_read():
+def test_the_kernels_count_of_its_kills_is_read_in_this_process_cgroup_where_there_is_one():
     if not Path("/proc/vmstat").exists():
         pytest.skip("no /proc/vmstat")
     assert isinstance(oom_kills(), int) and kills_since(oom_kills()) == 0
     assert kills_since(None) is None
+    if Path("/sys/fs/cgroup/memory").is_dir() or Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        assert _cgroup_file() is not None and _cgroup_file().name in ("memory.events", "memory.oom_control")
+
+
+def test_a_kill_in_another_cgroup_is_not_counted_as_this_ones():
+    """The machine's count would take another container's kill for this trial's."""
+    if _cgroup_file() is None:
+        pytest.skip("no memory cgroup readable here")
+    before = oom_kills()
+    with memory_cgroup(64 * 2**20) as group:
+        script = f"echo $$ > {group}/cgroup.procs && exec {sys.executable} -c 'b = bytearray(256 * 2**20)'"
+        assert subprocess.run(["sh", "-c", script], timeout=60).returncode == -signal.SIGKILL
+    assert oom_kills() == before
 
 
 def test_a_rank_the_kernels_oom_killer_ends_is_an_oom_with_the_fix(tmp_path):

@@ -49,6 +49,22 @@ def test_a_plugin_recipe_builds_what_its_formulas_count():
     assert "no tensor-parallel plan" in reasons["model.plugin"]
 
 
+@pytest.mark.slow
+def test_a_trial_rank_of_a_plugin_that_builds_its_own_model_starts(tmp_path):
+    """tiny-moe overrides `build` and names no `nn_module`: the rank's preload before its memory
+    baseline once imported '' and every trial of it ended 'Empty module name'."""
+    from tuner.executors.local import run_trial
+    from tuner.result import TrialSpec
+
+    rec = recipe_from_dict({"name": "moe", "model": MODEL, "train": {"global_batch_size": 2},
+                            "hardware": {"device": "cpu", "devices": 1},
+                            "measure": {"warmup_steps": 1, "steps": 1}})  # fmt: skip
+    family_of(rec.model).preload(rec.model)
+    spec = TrialSpec(recipe=rec.to_dict(), config=Config().to_dict(), family="cpu", workdir=str(tmp_path))
+    result = run_trial(spec)
+    assert result.status == "ok", result.error
+
+
 def test_unknown_plugins_and_bad_options_are_field_errors():
     with pytest.raises(
         RecipeError, match=r"model.plugin: 'nope' is not an installed model plugin; installed: .*tiny-moe"

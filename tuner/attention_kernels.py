@@ -18,6 +18,7 @@ class KernelLimits:
     max_head_dim: int | None = None
     align_bytes: int = 0  # head_dim * element size must be a multiple of this (0: any)
     note: str = ""  # where the limit comes from, shown in the refusal
+    takes_mask: bool = True  # whether it runs attention with an explicit mask (a sliding window)
 
 
 _LIMITS: dict[tuple[str, str], KernelLimits] = {
@@ -26,11 +27,12 @@ _LIMITS: dict[tuple[str, str], KernelLimits] = {
     ("cpu", "flash"): KernelLimits(ALL_DTYPES),
     ("cuda", "math"): KernelLimits(ALL_DTYPES),
     # FlashAttention-2: fp16/bf16 only, head_dim <= 256 (sm_80+, which DeviceInfo already says).
-    ("cuda", "flash"): KernelLimits(("bf16", "fp16"), 256, 0, "FlashAttention takes fp16/bf16 only"),
+    ("cuda", "flash"): KernelLimits(("bf16", "fp16"), 256, 0, "FlashAttention takes fp16/bf16 only", False),
     # Memory-efficient (cutlass) kernel: every dtype, 16-byte aligned head_dim.
     ("cuda", "efficient"): KernelLimits(ALL_DTYPES, None, 16),
     # cuDNN fused attention: fp16/bf16, head_dim a multiple of 8 and at most 128.
-    ("cuda", "cudnn"): KernelLimits(("bf16", "fp16"), 128, 16, "cuDNN attention takes fp16/bf16 only"),
+    # Neither takes an attn_mask in PyTorch's SDPA dispatch (sdp_utils: check_for_attn_mask).
+    ("cuda", "cudnn"): KernelLimits(("bf16", "fp16"), 128, 16, "cuDNN attention takes fp16/bf16 only", False),
     ("npu", "math"): KernelLimits(ALL_DTYPES),
     # torch_npu.npu_fusion_attention: query/key/value fp16 or bf16, head_dim at most 512.
     ("npu", "npu_fusion"): KernelLimits(
@@ -50,8 +52,9 @@ def compute_dtype(amp: str, amp_dtype: str) -> str:
     return "fp32" if amp == "O0" else amp_dtype
 
 
-def kernel_reasons(family: str, backend: str, dtype: str, head_dim: int) -> list[str]:
-    """Why `backend` cannot run attention in `dtype` with this head size on `family`; [] if it can."""
+def kernel_reasons(family: str, backend: str, dtype: str, head_dim: int, masked: bool = False) -> list[str]:
+    """Why `backend` cannot run attention in `dtype` with this head size on `family`, with an
+    explicit mask where `masked` (`ModelFamily.masked_attention`); [] if it can."""
     lim = limits(family, backend)
     if lim is None:
         return []  # DeviceInfo.attention_backends already refuses a kernel the family lacks
@@ -68,6 +71,9 @@ def kernel_reasons(family: str, backend: str, dtype: str, head_dim: int) -> list
     if lim.align_bytes and (head_dim * _BYTES[dtype]) % lim.align_bytes:
         multiple = lim.align_bytes // _BYTES[dtype]
         r.append(f"attention={backend} needs head_dim a multiple of {multiple} in {dtype}, got {head_dim}")
+    if masked and not lim.takes_mask:
+        r.append(f"attention={backend} takes no attention mask on {family}, and this model's sliding-window "
+                 "layers need one at this seq_len; use attention=efficient or math")  # fmt: skip
     return r
 
 

@@ -49,12 +49,15 @@ def baseline_config(recipe: Recipe, device: DeviceInfo, space: SearchSpace) -> C
     else:
         values.update(amp=_pick(space, "amp", ["O0"]))
     # The fused kernel that takes the dtype chosen above (flash cannot run an fp32 baseline on CUDA).
+    from tuner.models import family_of
+
     dtype = compute_dtype(values["amp"], values["amp_dtype"])
+    masked = family_of(recipe.model).masked_attention(recipe.model)
     attention = [
         a
         for a in (*_FAST_ATTENTION, "math")
         if a in device.attention_backends
-        and not kernel_reasons(device.family, a, dtype, recipe.model.head_dim)
+        and not kernel_reasons(device.family, a, dtype, recipe.model.head_dim, masked)
     ]
     values["attention"] = _pick(space, "attention", attention)
     sizes = sorted(space.domains["micro_batch_size"] or (1,), reverse=True)

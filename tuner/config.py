@@ -378,8 +378,11 @@ def _attention_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> li
     """The attention kernel against the dtype it would run in and the model's head size."""
     if config.attention not in device.attention_backends:
         return []  # already refused by _device_reasons
+    from tuner.models import family_of
+
     dtype = compute_dtype(config.amp, config.amp_dtype)
-    return kernel_reasons(device.family, config.attention, dtype, recipe.model.head_dim)
+    masked = family_of(recipe.model).masked_attention(recipe.model)
+    return kernel_reasons(device.family, config.attention, dtype, recipe.model.head_dim, masked)
 
 
 def _combination_reasons(config: Config, device: DeviceInfo) -> list[str]:

@@ -41,7 +41,7 @@ Knobs: micro_batch_size, dp, tp, pp, pp_schedule, dp_shard, recompute, recompute
 
 --profile DIR writes a Chrome trace per rank and breakdown.json (where a step's time goes, top operators) into DIR and prints them.
 
-Exit status: 0 when the trial ran, whatever its status (ok, oom, error, timeout); 2 on bad input (recipe, knob, infeasible config).
+Exit status: 0 when the trial ended ok; 1 when it ran and ended otherwise (oom, error, timeout; the result still prints); 2 on bad input (recipe, knob, infeasible config).
 """
 
 DEGREES = ("dp", "tp", "pp")

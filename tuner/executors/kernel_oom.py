@@ -1,23 +1,62 @@
 """The kernel's out-of-memory killer, as a trial sees it: a rank it kills dies by SIGKILL and
-leaves no error record, so the only sign is the kernel's own count of its kills."""
+leaves no error record, so the only sign is the kernel's own count of its kills.
+
+The count is read where it is narrowest: this process's memory cgroup (v2 `memory.events`, v1
+`memory.oom_control`: kills of processes in the cgroup the launcher and its ranks share, whether
+the cgroup's limit or the machine ran out), else the machine's (`oom_kill` in /proc/vmstat,
+Linux 4.13 and later), where a kill elsewhere on the machine while a rank died by SIGKILL for
+another reason would be taken for this trial's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+_ROOT = Path("/sys/fs/cgroup")
 
-def oom_kills() -> int | None:
-    """How many processes the kernel's out-of-memory killer has killed since boot (`oom_kill` in
-    /proc/vmstat, Linux 4.13 and later; a kill at a cgroup's limit counts there too), or None
-    where it is not readable. A rank that died by SIGKILL while this count rose was, in all
-    likelihood, one of them: nothing in the tuner sends SIGKILL before a failure or a deadline."""
+
+def _read_count(path: Path, key: str) -> int | None:
     try:
-        for line in Path("/proc/vmstat").read_text().splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
     except (OSError, ValueError):
         pass
     return None
+
+
+def _cgroup_file() -> Path | None:
+    """This process's memory cgroup's event file. The path /proc/self/cgroup gives is relative to
+    the hierarchy's root, which a container may have mounted at one of its ancestors: the longest
+    tail of the path that exists under the mount is the cgroup (the mount itself, at worst)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and (_ROOT / "cgroup.controllers").exists():
+            mount, name = _ROOT, "memory.events"  # v2, unified
+        elif "memory" in controllers.split(","):
+            mount, name = _ROOT / "memory", "memory.oom_control"  # v1
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for i in range(len(parts) + 1):
+            candidate = mount.joinpath(*parts[i:], name)
+            if candidate.exists():
+                return candidate
+    return None
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed, counted in this process's
+    memory cgroup where readable, else on the whole machine; None where neither is readable. A
+    rank that died by SIGKILL while this count rose was, in all likelihood, one of them: nothing in
+    the tuner sends SIGKILL before a failure or a deadline."""
+    cgroup = _cgroup_file()
+    count = _read_count(cgroup, "oom_kill") if cgroup is not None else None
+    return count if count is not None else _read_count(Path("/proc/vmstat"), "oom_kill")
 
 
 def kills_since(before: int | None) -> int | None:

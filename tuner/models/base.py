@@ -87,6 +87,11 @@ class ModelFamily:
         than down(act(up x)): it saves twice the inner-width tensors for backward."""
         return False
 
+    def masked_attention(self, m: ModelSpec) -> bool:
+        """Whether some attention layer takes an explicit mask at the recipe's sequence length
+        (a sliding window shorter than it) rather than running plain causal."""
+        return False
+
     def rms_norm(self, m: ModelSpec) -> bool:
         """Whether the blocks normalise with RMSNorm (which saves fp32 copies of its input and
         output whatever the dtype) rather than LayerNorm (its input)."""
@@ -191,8 +196,10 @@ class ModelFamily:
 
     def preload(self, m: ModelSpec) -> None:
         """Import the code `build` will run, so that a CPU rank's memory baseline, read after
-        this, counts what the model holds and not the libraries' code and data."""
-        self._nn()
+        this, counts what the model holds and not the libraries' code and data. A plugin that
+        overrides `build` and names no `nn_module` has nothing to import here."""
+        if self.nn_module:
+            self._nn()
 
     def build(self, m: ModelSpec, attention: str = "math") -> nn.Module:
         return self._nn().build(m, attention)

@@ -258,7 +258,8 @@ def _build_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]
                  "layers of a mixture of experts, or per-layer widths); the tuner's memory and FLOP "
                  "estimates take every layer to be like the first, so such a model is not supported yet")]  # fmt: skip
     problem = layout_problem(key)
-    return [(where, f"{problem}; the tuner's decoder cannot run it yet")] if problem else []
+    fix = "wrap the model in a plugin family (model.family: plugin) or pick another model_type"
+    return [(where, f"{problem}; the tuner's decoder cannot run it yet: {fix}")] if problem else []
 
 
 @functools.lru_cache(maxsize=64)
@@ -346,6 +347,12 @@ class HFFamily(ModelFamily):
 
     def rms_norm(self, m: ModelSpec) -> bool:
         return bool(self._c(m)["rms_norm"])
+
+    def masked_attention(self, m: ModelSpec) -> bool:
+        cfg = hf_config(m)
+        window, kinds = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
+        slides = "sliding_attention" in kinds if kinds else bool(window)
+        return bool(slides and window and m.seq_len > window)
 
     def head_dim(self, m: ModelSpec) -> int:
         return int(_attr(hf_config(m), "head_dim") or super().head_dim(m))

@@ -80,26 +80,30 @@ class HFDecoder(Decoder):
         every = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
         self.layer_types = list(getattr(cfg, "layer_types", None) or [every] * len(self.layers))
         self._typed_rotary = "layer_type" in inspect.signature(rotary.forward).parameters
+        self._tables: dict[tuple, dict[str, tuple]] = {}  # (seq, device, dtype) -> rotary tables
         self.retie()
 
     def retie(self) -> None:
         if self.tied and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def _position_embeddings(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple]:
+    def _position_embeddings(self, x: torch.Tensor) -> dict[str, tuple]:
         """(cos, sin) by layer type, from the host's tables, in the hidden states' dtype as
-        transformers' own model has them (bf16 under amp=O2)."""
-        cpu_x = torch.empty(1, device="cpu", dtype=torch.float32)
-        # Made on the host, not copied from the device (which would wait for it every step).
-        cpu_positions = torch.arange(positions.shape[1], device="cpu").unsqueeze(0)
-        out = {}
-        for kind in set(self.layer_types):
-            extra = (kind,) if self._typed_rotary else ()
-            cos, sin = self._rotary[0](cpu_x, cpu_positions, *extra)
-            out[kind] = (cos.to(x.device, x.dtype), sin.to(x.device, x.dtype))
-        return out
+        transformers' own model has them (bf16 under amp=O2). Made once per sequence length,
+        device and dtype: a copy to the device every step would wait for the device."""
+        key = (x.shape[1], x.device, x.dtype)
+        if key not in self._tables:
+            cpu_x = torch.empty(1, device="cpu", dtype=torch.float32)
+            positions = torch.arange(x.shape[1], device="cpu").unsqueeze(0)
+            out = {}
+            for kind in set(self.layer_types):
+                extra = (kind,) if self._typed_rotary else ()
+                cos, sin = self._rotary[0](cpu_x, positions, *extra)
+                out[kind] = (cos.to(x.device, x.dtype), sin.to(x.device, x.dtype))
+            self._tables[key] = out
+        return self._tables[key]
 
-    def _masks(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    def _masks(self, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
         """The attention mask by layer type, by transformers' own rules: None (causal, SDPA's
         is_causal) for full attention; a window for sliding layers once the sequence is longer."""
         masks: dict[str, torch.Tensor | None] = {"full_attention": None}
@@ -107,8 +111,10 @@ class HFDecoder(Decoder):
             from transformers.masking_utils import create_sliding_window_causal_mask
 
             cfg = hf_config(self.spec)
+            # No position ids: with them transformers checks for packed sequences, reading a
+            # device tensor on the host (a sync every step); these positions are 0..seq-1.
             masks["sliding_attention"] = create_sliding_window_causal_mask(
-                config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions
+                config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=None
             )
         return masks
 
@@ -116,7 +122,7 @@ class HFDecoder(Decoder):
         if self.embed_tokens is not None:
             x = _scale_embeddings(self.embed_tokens(x), hf_config(self.spec))
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-        rotary, masks = self._position_embeddings(x, positions), self._masks(x, positions)
+        rotary, masks = self._position_embeddings(x), self._masks(x)
         for i, layer in self.layers.items():
             kind = self.layer_types[int(i)]
             out = layer(
