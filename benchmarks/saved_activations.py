@@ -1,7 +1,8 @@
 """What one decoder layer of an hf model saves for backward, against the estimator's rule for it.
 
 Builds the model twice on the CPU (one layer, two layers) from a tiny config of each model type,
-runs one forward and backward under torch's saved-tensor hooks (each storage counted once), and
+runs one forward and backward under torch's saved-tensor hooks (each storage counted once, the
+weights not counted), and
 prints the second layer's bytes beside `tuner.estimate`'s per-layer figure, per recompute mode.
 Nothing is downloaded.
 
@@ -43,7 +44,11 @@ def _recipe(model_type: str, layers: int, extra: dict):
 def saved_bytes(model_type: str, layers: int, mode: str, extra: dict) -> int:
     net = build_model(_recipe(model_type, layers, extra).model, "math", 0, torch.device("cpu"))
     apply_recompute(net, mode)
-    seen: set[tuple[int, int]] = set()
+    # Weights are saved for backward too (a Linear keeps its weight): they are the model's, not
+    # activations, and the estimator counts them apart.
+    seen: set[tuple[int, int]] = {
+        (p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in net.parameters()
+    }
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:

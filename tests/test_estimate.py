@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from tuner.config import Config
 from tuner.devices import DeviceInfo, describe
@@ -170,6 +171,11 @@ def test_flops_count_recompute_as_hardware_work_only():
 def small_model(family: str) -> dict:
     """A 4-layer model of `family` small enough for one CPU step in a test (hf: a Qwen2 built by
     transformers from its config, no download)."""
+    if family == "hf-moe":  # Mixtral: 8 experts of width 64, two per token
+        config = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 512, "num_local_experts": 8,
+                  "num_experts_per_tok": 2}  # fmt: skip
+        return {"family": "hf", "seq_len": 32, "config": config}
     if family == "hf":
         config = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 512}  # fmt: skip
@@ -180,7 +186,22 @@ def small_model(family: str) -> dict:
     return model
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama", "hf"])
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """transformers' MoE experts run as one `aten._grouped_mm` (each expert's tokens against its
+    slice), for which torch's FlopCounterMode has no formula: 2 x the summed products of each
+    group. Forward (tokens x k against experts x k x n), and backward's weight gradient (k x
+    tokens against tokens x n, grouped along the tokens)."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[-1]
+
+
+GROUPED_MM = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "hf", "hf-moe"])
 def test_hardware_flops_match_what_torch_counts_under_each_recompute(family, monkeypatch):
     """A real training step of the built model, counted by torch's FlopCounterMode (matmuls and
     attention, recomputed forwards included), against the estimator's hardware FLOPs per step:
@@ -198,7 +219,7 @@ def test_hardware_flops_match_what_torch_counts_under_each_recompute(family, mon
         model = build_model(rec.model, "math", 0, torch.device("cpu"))
         if mode != "none":
             apply_recompute(model, mode, layers)
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=GROUPED_MM) as counter:
             model.loss(model(tokens), tokens).backward()
         expected = est(Config(recompute=mode, recompute_layers=layers), rec).hardware_flops_per_step
         assert counter.get_total_flops() == pytest.approx(expected), (mode, layers)

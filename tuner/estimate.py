@@ -244,12 +244,23 @@ def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str
     else:
         norms = 2 * bsh * resid // seq  # LayerNorm inputs
         kept = bsh * 4 + bsh * comp
-    if family.gated_mlp(m):
+    if routed := family.routed_experts(m):
+        ffn = _routed_ffn_bytes(routed, b * s, h, comp) // c.tp
+    elif family.gated_mlp(m):
         ffn = 4 * b * s * f // c.tp * comp  # gate and up outputs, the activation's output, down's input
     else:
         ffn = 2 * b * s * f // c.tp * comp  # the activation's input, down's input
     full = norms + 2 * bsh * comp + 5 * bsh // c.tp * comp + ffn + attn
     return {"none": full, "full": bsh * resid // seq, "selective": norms + kept + ffn}
+
+
+def _routed_ffn_bytes(routed: tuple[int, int, int, int], tokens: int, h: int, comp: int) -> int:
+    """What an MoE block's MLP saves: per token and expert it is routed to, the expert's input and
+    output and its gated MLP's four inner-width tensors; the router's fp32 logits and
+    probabilities; a shared expert as a gated MLP (`benchmarks/saved_activations.py`: Mixtral and
+    Qwen3-MoE at width 64, 8 experts, top 2)."""
+    experts, top_k, width, shared = routed
+    return tokens * (top_k * (2 * h + 4 * width) + 4 * shared) * comp + tokens * experts * 4 * 2
 
 
 def _activation_bytes(

@@ -87,6 +87,11 @@ class ModelFamily:
         than down(act(up x)): it saves twice the inner-width tensors for backward."""
         return False
 
+    def routed_experts(self, m: ModelSpec) -> tuple[int, int, int, int] | None:
+        """An MoE block's (experts, experts per token, expert width, shared expert width); None
+        for a dense block."""
+        return None
+
     def masked_attention(self, m: ModelSpec) -> bool:
         """Whether some attention layer takes an explicit mask at the recipe's sequence length
         (a sliding window shorter than it) rather than running plain causal."""

@@ -348,6 +348,17 @@ class HFFamily(ModelFamily):
     def rms_norm(self, m: ModelSpec) -> bool:
         return bool(self._c(m)["rms_norm"])
 
+    def routed_experts(self, m: ModelSpec) -> tuple[int, int, int, int] | None:
+        c = self._c(m)
+        return (c["experts"], c["top_k"], c["expert_width"], c["shared_width"]) if c["experts"] else None
+
+    def recomputed_flops_per_token(self, m: ModelSpec, recompute: str) -> float:
+        """An MoE block's last op is its experts' weighted sum, which needs each expert's down
+        projection again: full recompute repeats the whole forward."""
+        if recompute == "full" and self.routed_experts(m):
+            return 2.0 * self.block_matmul_params(m) + 4.0 * m.heads * self.head_dim(m) * m.seq_len
+        return super().recomputed_flops_per_token(m, recompute)
+
     def masked_attention(self, m: ModelSpec) -> bool:
         cfg = hf_config(m)
         window, kinds = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
