@@ -42,7 +42,8 @@ class ModelFamily:
     Formulas take the recipe's `ModelSpec` and count what the family's torch module really holds
     and computes; a test checks each against a built model. Methods:
     - `ffn_size(m)`: the MLP inner width (the recipe's `ffn`, else the family's rule);
-      `gated_mlp(m)`, `rms_norm(m)`: the block's kind, for what it saves for backward;
+      `gated_mlp(m)`, `rms_norm(m)`, `routed_experts(m)`: the block's kind, for what it saves
+      for backward; `masked_attention(m)`: whether attention needs an explicit mask;
     - `block_params(m)`, `block_matmul_params(m)`: one decoder block, all / only what tensor
       parallel splits (the Linear weights);
     - `embedding_params(m)`, `head_params(m)`: what the first / last pipeline stage holds
@@ -53,8 +54,9 @@ class ModelFamily:
     - `column_parallel_inputs(m)`, `tp_collectives(m, sequence_parallel, recompute)`: what tensor
       parallelism sends per block;
     - `stage_layers(m, stage, stages)`: the decoder layers a pipeline stage owns;
-    - `preload(m)`: import what `build` runs; `build(m, attention)`: the torch module, on whatever device is current (the workload uses
-      `meta`); `parallelize(model, tp_mesh, sequence_parallel)`; `init_rule(m)`;
+    - `preload(m)`: import what `build` runs; `build(m, attention)`: the torch module, on
+      whatever device is current (the workload uses `meta`); `parallelize(model, tp_mesh,
+      sequence_parallel)`; `init_rule(m)`;
     - `requires(m)`: what must be installed besides this project to build it (`Requirement`).
     """
 
