@@ -294,6 +294,14 @@ def hf_config(m: ModelSpec) -> Any:
     return resolved(_key(m.config))
 
 
+def layer_types(cfg: Any) -> list[str]:
+    """Each decoder layer's attention kind, as transformers' own model reads it: the config's
+    `layer_types` ("full_attention", "sliding_attention", ...), else every layer sliding when the
+    config sets a window (Mistral, Starcoder2) and full when it does not."""
+    every = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
+    return list(getattr(cfg, "layer_types", None) or [every] * cfg.num_hidden_layers)
+
+
 def resolve_model(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """A recipe's `model` section with the sizes filled from its hf config, and the problems.
     A size the recipe gives must equal the config's."""
@@ -361,9 +369,8 @@ class HFFamily(ModelFamily):
 
     def masked_attention(self, m: ModelSpec) -> bool:
         cfg = hf_config(m)
-        window, kinds = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
-        slides = "sliding_attention" in kinds if kinds else bool(window)
-        return bool(slides and window and m.seq_len > window)
+        window = getattr(cfg, "sliding_window", None)
+        return bool(window and m.seq_len > window and "sliding_attention" in layer_types(cfg))
 
     def head_dim(self, m: ModelSpec) -> int:
         return int(_attr(hf_config(m), "head_dim") or super().head_dim(m))

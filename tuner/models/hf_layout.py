@@ -53,7 +53,10 @@ def counts(config_json: str) -> dict[str, int]:
     f, h = int(getattr(model.config, "intermediate_size", 0) or 0), model.config.hidden_size
     c["gated_mlp"] = int(c["block_matmul"] - c["attention_matmul"] == 3 * h * f)
     c["rms_norm"] = int(any("RMSNorm" in type(mod).__name__ for mod in block0.modules()))
-    c |= _routed_experts(block0, model.config, c)
+    c |= _routed_experts(block0, model.config, c["block_matmul"] - c["attention_matmul"])
+    # Each token runs `top_k` of the experts: that share of their weights is the block's matmul
+    # parameters (its FLOPs) too.
+    c["block_matmul"] += c.pop("active_expert_params")
     c["embedding"] = model.model.embed_tokens.weight.numel()
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     c["head"] = sum(p.numel() for p in model.model.norm.parameters())
@@ -63,22 +66,21 @@ def counts(config_json: str) -> dict[str, int]:
     return c
 
 
-def _routed_experts(block: Any, cfg: Any, c: dict[str, int]) -> dict[str, int]:
+def _routed_experts(block: Any, cfg: Any, mlp_matmul: int) -> dict[str, int]:
     """An MoE block's experts (transformers keeps them as 3-D tensors, one slice per expert):
     how many, how many a token is routed to (`num_experts_per_tok`), each one's inner width (gated:
-    three matrices of hidden x width), and the width of a shared dense expert beside them (what
-    2-D matrices the block holds beyond attention and the router). Each token runs `top_k` of the
-    experts, so that share of their weights joins the block's matmul parameters (its FLOPs)."""
+    three matrices of hidden x width), the width of a shared dense expert beside them (what of
+    the block's 2-D matrices outside attention, `mlp_matmul`, is not the router), and the expert
+    parameters one token runs (`top_k` of the experts)."""
     stacked = [p for p in block.parameters() if p.dim() >= 3]
     if not stacked:
-        return {"experts": 0, "top_k": 0, "expert_width": 0, "shared_width": 0}
+        return {"experts": 0, "top_k": 0, "expert_width": 0, "shared_width": 0, "active_expert_params": 0}
     h, experts = cfg.hidden_size, stacked[0].shape[0]
     numel = sum(p.numel() for p in stacked)
     top_k = min(int(getattr(cfg, "num_experts_per_tok", 0) or experts), experts)
-    dense = c["block_matmul"] - c["attention_matmul"] - experts * h  # minus the router
-    c["block_matmul"] += numel * top_k // experts
     return {"experts": experts, "top_k": top_k, "expert_width": numel // experts // (3 * h),
-            "shared_width": max(0, dense) // (3 * h)}  # fmt: skip
+            "shared_width": max(0, mlp_matmul - experts * h) // (3 * h),
+            "active_expert_params": numel * top_k // experts}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)

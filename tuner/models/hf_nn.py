@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from tuner.models.hf import hf_config
+from tuner.models.hf import hf_config, layer_types
 from tuner.models.layers import SDPA_BACKENDS, Decoder
 
 TP_STYLES = ("colwise", "rowwise")
@@ -76,9 +76,8 @@ class HFDecoder(Decoder):
         self._rotary = [rotary]  # a list: not a submodule, so never on meta nor in the state
         # Per layer, as transformers' own model: "full_attention" or "sliding_attention" (its
         # mask and, where the rotary embedding takes a layer type, its own rotary tables).
-        # A config without layer types but with a window (Mistral, Starcoder2) slides in every layer.
-        every = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
-        self.layer_types = list(getattr(cfg, "layer_types", None) or [every] * len(self.layers))
+        self.layer_types = layer_types(cfg)
+        self._cfg = cfg  # read every step: the embeddings' and the logits' scales, the window
         self._typed_rotary = "layer_type" in inspect.signature(rotary.forward).parameters
         self._tables: dict[tuple, dict[str, tuple]] = {}  # (seq, device, dtype) -> rotary tables
         self.retie()
@@ -110,17 +109,16 @@ class HFDecoder(Decoder):
         if "sliding_attention" in self.layer_types:
             from transformers.masking_utils import create_sliding_window_causal_mask
 
-            cfg = hf_config(self.spec)
             # No position ids: with them transformers checks for packed sequences, reading a
             # device tensor on the host (a sync every step); these positions are 0..seq-1.
             masks["sliding_attention"] = create_sliding_window_causal_mask(
-                config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=None
+                config=self._cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=None
             )
         return masks
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
-            x = _scale_embeddings(self.embed_tokens(x), hf_config(self.spec))
+            x = _scale_embeddings(self.embed_tokens(x), self._cfg)
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         rotary, masks = self._position_embeddings(x), self._masks(x)
         for i, layer in self.layers.items():
@@ -132,7 +130,7 @@ class HFDecoder(Decoder):
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is not None:
-            x = _finish_logits(self.lm_head(x), hf_config(self.spec))
+            x = _finish_logits(self.lm_head(x), self._cfg)
         return x
 
 
