@@ -16,19 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_measure_cli import TINY  # the two-rank tiny gpt `tuner measure` is tested on
 
 from tuner.executors.kernel_oom import _cgroup_file, kills_since, oom_kills
 from tuner.executors.outcome import classify
 from tuner.record.status import ERROR, OOM
 from tuner.result import TrialSpec
-
-TINY = {
-    "name": "oom-tiny",
-    "model": {"family": "gpt", "layers": 2, "hidden": 64, "heads": 4, "seq_len": 32, "vocab": 256},
-    "train": {"global_batch_size": 8},
-    "hardware": {"device": "cpu", "devices": 2},
-    "measure": {"warmup_steps": 1, "steps": 3},
-}
 
 
 def _new_memory_cgroup(limit_bytes: int) -> Path:
