@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -389,55 +388,57 @@ def test_standin_timeout_leaves_no_process(standin):
 
 
 def test_what_still_works_in_a_cancelled_trials_directory_is_ended(tmp_path):
-    # The executors' last word on a cancelled trial: a process that ignores SIGTERM and works in
-    # the trial's directory (or below it) is waited for, then killed; others are left alone.
+    # The executors' last word on a cancelled trial: a process of the session its launcher recorded
+    # that ignores SIGTERM is waited for, then killed, wherever it works; others are left alone,
+    # above all a user's shell and its `tail -f` sitting in the trial's directory (a shell in a
+    # terminal leads a session of its own: the SIGKILL went to it when processes were told apart
+    # by their working directory and their session's leader).
     from tuner.executors.session import end_processes_in, pids_in
 
-    # A trial's processes are a session led from its directory (the launcher's); a user's shell or
-    # `tail -f` sitting in the directory belongs to a session led elsewhere and is left alone.
-    (tmp_path / "rank0").mkdir()
+    (tmp_path / "node1").mkdir()
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
-    inside = subprocess.Popen(
-        [sys.executable, "-c", stubborn], cwd=tmp_path / "rank0", start_new_session=True
+    # A launcher's stand-in: records its session in a node part's directory, as the launcher does
+    # before its first rank, and leaves a stubborn child working elsewhere.
+    launcher = (
+        "import pathlib, subprocess, sys, time\n"
+        "from tuner.executors.session import record_session\n"
+        f"record_session(pathlib.Path({str(tmp_path / 'node1')!r}))\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {stubborn!r}], cwd='/')\n"
+        "print(child.pid, flush=True)\n"
+        f"{stubborn}\n"
     )
+    trial = subprocess.Popen(
+        [sys.executable, "-c", launcher],
+        cwd=tmp_path / "node1",
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    shell = subprocess.Popen(["bash", "-c", "tail -f /dev/null & wait"], cwd=tmp_path, start_new_session=True)
     outside = subprocess.Popen([sys.executable, "-c", stubborn], cwd=Path(tmp_path).parent)
-    users = subprocess.Popen([sys.executable, "-c", stubborn], cwd=tmp_path)
     try:
-        wait_for(lambda: pids_in(str(tmp_path)) == [inside.pid], 30, "the process in the trial's directory")
-        assert end_processes_in(str(tmp_path), 0.3) == [inside.pid]
-        assert inside.wait(timeout=5) == -signal.SIGKILL
-        assert pids_in(str(tmp_path)) == [] and outside.poll() is None and users.poll() is None
+        child = int(trial.stdout.readline())
+        ours = sorted([trial.pid, child])
+        wait_for(lambda: sorted(pids_in(str(tmp_path))) == ours, 30, "the trial's two processes")
+        assert sorted(end_processes_in(str(tmp_path), 0.3)) == ours
+        assert trial.wait(timeout=5) == -signal.SIGKILL
+        assert pids_in(str(tmp_path)) == [] and shell.poll() is None and outside.poll() is None
     finally:
-        for p in (inside, outside, users):
-            p.kill()
+        for p in (trial, shell, outside):
+            os.killpg(p.pid, signal.SIGKILL) if p is not outside else p.kill()
             p.wait()
 
 
-def test_a_process_of_a_session_led_from_outside_the_pid_namespace_is_not_a_trials(tmp_path):
-    # In a container or a CI job, the runner's session is led from outside the pid namespace and
-    # reads 0 in /proc: a shell or a test sitting in a trial's directory is then not a trial's.
-    from tuner.executors.session import pids_in
+def test_a_trials_launcher_records_the_session_it_leads(standin):
+    """What `pids_in` goes by: each launch of a trial, warm or cold, records the session its
+    launcher led, and that session is the one the result reports."""
+    from tuner.executors.session import SESSIONS_FILE
 
-    if shutil.which("unshare") is None:
-        pytest.skip("needs util-linux's unshare")
-    script = (
-        "import subprocess, sys, time; from tuner.executors.session import pids_in\n"
-        f"d = {str(tmp_path)!r}\n"
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], cwd=d)\n"
-        "time.sleep(0.5); print('session', open(f'/proc/{p.pid}/stat').read().rsplit(')')[1].split()[3])\n"
-        "print('pids_in', pids_in(d)); p.kill()\n"
-    )
-    run = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if run.returncode != 0 and "Operation not permitted" in run.stderr:
-        pytest.skip("creating a pid namespace needs root")
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[:2] == ["session 0", "pids_in []"]
-    assert pids_in(str(tmp_path)) == []
+    for start in ("warm", "cold"):
+        res = run_trial(make_spec(standin, start), env={"TUNER_WARM_START": "1" if start == "warm" else "0"})
+        assert res.status == "ok" and res.extra["start"] == start, res.error
+        recorded = (standin / f"trial-{start}" / SESSIONS_FILE).read_text().split()
+        assert recorded == [str(trial_session(standin / f"trial-{start}"))]
 
 
 def test_cpus_pin_every_rank(standin):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tuner.executors.kernel_oom import kills_since, oom_kills
 from tuner.executors.nodes import NodePart, free_port, rank_env
-from tuner.executors.session import TERM_GRACE_S, die_with_parent
+from tuner.executors.session import TERM_GRACE_S, die_with_parent, record_session
 from tuner.stopping import StopFlag
 
 # After the first rank fails, the others get this long to fail on their own (and write their error
@@ -168,6 +168,7 @@ def _launch(
     stopping = StopFlag()
     signal.signal(signal.SIGTERM, stopping.set)
     workdir = Path(spec_path).parent
+    record_session(workdir)
     port = free_port() if node is None else node.master_port
     ranks = range(world) if node is None else node.ranks(world)
     procs = {rank: _start_rank(rank, world, port, module, spec_path, fork, node) for rank in ranks}

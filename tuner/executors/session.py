@@ -46,38 +46,40 @@ def session_pids(sid: int) -> list[int]:
     return [pid for pid, fields in _live_processes() if int(fields[3]) == sid]
 
 
-def _inside(pid: int, root: str) -> bool:
-    try:
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        return False
-    return cwd == root or cwd.startswith(root + os.sep)
+# In a trial's directory (a node part's, on Ray): the session its launcher leads, written before
+# it starts a rank (`record_session`). The latest launch's only: an earlier launch's session was
+# ended with it, and its number may since lead somebody else's.
+SESSIONS_FILE = "session"
+
+
+def record_session(workdir: Path) -> None:
+    """Record the session this process leads (a trial's launcher, before its ranks start) in
+    `workdir`, so that `pids_in` can tell the trial's processes from anyone else's."""
+    (workdir / SESSIONS_FILE).write_text(f"{os.getsid(0)}\n")
+
+
+def trial_sessions(directory: str) -> set[int]:
+    """The sessions the trial's launchers recorded in `directory` or below it."""
+    sids = set()
+    for path in Path(directory).rglob(SESSIONS_FILE):
+        with contextlib.suppress(OSError):
+            sids.update(int(word) for word in path.read_text().split() if word.isdigit())
+    return sids - {0}
 
 
 def pids_in(directory: str) -> list[int]:
-    """Live (non-zombie) processes of this machine working in `directory` or below it, of a
-    trial's session: where a trial's launcher and ranks run (each trial has a directory of its
-    own, and its launcher leads a session there). A process whose session leader lives elsewhere
-    (a user's shell, or a `tail -f`, sitting in the directory) is not the trial's; one whose
-    leader has gone is (a trial whose launcher died), unless its session reads 0: led from outside
-    this pid namespace (a container's runner, a CI job), which no trial's launcher is."""
-    root = os.path.abspath(directory)
-    live = dict(_live_processes())
-    return [
-        pid
-        for pid, fields in live.items()
-        if pid != os.getpid() and _inside(pid, root) and _trials_session(pid, int(fields[3]), live, root)
-    ]
-
-
-def _trials_session(pid: int, sid: int, live: dict, root: str) -> bool:
-    """Whether session `sid` of process `pid` is a trial's: `pid` leads it, or its leader works in
-    `root` or is gone. Session 0 is led from outside this pid namespace."""
-    return sid > 0 and (sid == pid or sid not in live or _inside(sid, root))
+    """Live (non-zombie) processes of this machine in the sessions the trial's launchers recorded in
+    `directory` (`record_session`): the launcher, its ranks, their workers, and what they left
+    when the launcher died, wherever they work. Nobody else's, even sitting in the directory: a
+    user's shell or `tail -f` there leads or belongs to a session of its own."""
+    sids = trial_sessions(directory)
+    if not sids:
+        return []
+    return [pid for pid, fields in _live_processes() if int(fields[3]) in sids and pid != os.getpid()]
 
 
 def end_processes_in(directory: str, grace_s: float) -> list[int]:
-    """Wait up to `grace_s` for the trial's processes working in `directory` (`pids_in`) to exit,
+    """Wait up to `grace_s` for the trial's processes recorded in `directory` (`pids_in`) to exit,
     then SIGKILL the rest and wait for them to go. Returns the pids that had to be killed."""
     left = _wait_gone(lambda: pids_in(directory), grace_s, 0.05)
     _signal_all(left, signal.SIGKILL)
