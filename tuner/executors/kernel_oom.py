@@ -35,7 +35,7 @@ def _cgroup_file() -> Path | None:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "" and (_ROOT / "cgroup.controllers").exists():
+        if controllers == "" and _exists(_ROOT / "cgroup.controllers"):
             mount, name = _ROOT, "memory.events"  # v2, unified
         elif "memory" in controllers.split(","):
             mount, name = _ROOT / "memory", "memory.oom_control"  # v1
@@ -44,9 +44,18 @@ def _cgroup_file() -> Path | None:
         parts = [p for p in path.split("/") if p]
         for i in range(len(parts) + 1):
             candidate = mount.joinpath(*parts[i:], name)
-            if candidate.exists():
+            if _exists(candidate):
                 return candidate
     return None
+
+
+def _exists(path: Path) -> bool:
+    """Whether `path` exists; False where a directory on the way may not be searched (Path.exists
+    raises then), so the count falls back to the machine's instead of failing the launcher."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def oom_kills() -> int | None:
@@ -60,6 +69,8 @@ def oom_kills() -> int | None:
 
 
 def kills_since(before: int | None) -> int | None:
-    """The kills counted since `before` (an `oom_kills()` reading); None where either is unknown."""
+    """The kills counted since `before` (an `oom_kills()` reading); None where either is unknown,
+    or where the count went down (the readings came from two counters: the cgroup's file became
+    unreadable in between)."""
     after = oom_kills()
-    return None if before is None or after is None else after - before
+    return None if before is None or after is None or after < before else after - before

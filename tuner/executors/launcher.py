@@ -49,7 +49,13 @@ class RankGroup:
     """The ranks of one trial: their output pumped into trial.log with rank prefixes, their exits
     recorded in order, and the rest ended once one fails (after FAIL_GRACE_S) or on SIGTERM."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen], workdir: Path, stopping: StopFlag):
+    def __init__(
+        self,
+        procs: dict[int, subprocess.Popen],
+        workdir: Path,
+        stopping: StopFlag,
+        oom_kills_at_start: int | None,
+    ):
         self.procs = procs
         self.workdir = workdir
         self.stopping = stopping
@@ -63,7 +69,7 @@ class RankGroup:
         self.first_failure: float | None = None
         self.terminated_at: float | None = None
         self.all_exited_at: float | None = None
-        self.oom_kills_at_start = oom_kills()
+        self.oom_kills_at_start = oom_kills_at_start  # read before the first rank started
 
     def run(self) -> None:
         with open(self.workdir / "trial.log", "ab") as log:
@@ -171,8 +177,9 @@ def _launch(
     record_session(workdir)
     port = free_port() if node is None else node.master_port
     ranks = range(world) if node is None else node.ranks(world)
+    kills_before = oom_kills()
     procs = {rank: _start_rank(rank, world, port, module, spec_path, fork, node) for rank in ranks}
-    group = RankGroup(procs, workdir, stopping)
+    group = RankGroup(procs, workdir, stopping, kills_before)
     group.run()
     (workdir / "exits.json").write_text(json.dumps(group.record(port, node)))
     return 0
