@@ -100,6 +100,24 @@ def test_a_kill_in_another_cgroup_is_not_counted_as_this_ones():
     assert oom_kills() == before
 
 
+def test_cpu_memory_is_the_containers_limit_where_that_is_smaller():
+    """In a container or batch job limited to less than the machine, CPU trials were planned and
+    budgeted against the machine's memory, and the kernel ended them at the limit."""
+    probe = "from tuner.devices import describe; print(describe('cpu').memory_bytes)"
+    machine = int(
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    )
+    with memory_cgroup(1200 * 2**20) as group:
+        run = subprocess.run(
+            ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout) == 1200 * 2**20 < machine
+
+
 def test_a_rank_the_kernels_oom_killer_ends_is_an_oom_with_the_fix(tmp_path):
     if oom_kills() is None:
         pytest.skip("the kernel's oom_kill count is not readable here")

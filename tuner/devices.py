@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tuner.cgroup import memory_limit
 from tuner.device_table import CATALOG, PEAK_TFLOPS
 
 FAMILIES = ("cpu", "cuda", "npu")
@@ -160,7 +161,12 @@ def same_cpu(fingerprint: Mapping[str, Any], here: DeviceInfo) -> bool:
 
 
 def _total_ram() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The memory CPU trials may use: the machine's, or less where this process's memory cgroup
+    (a container's, a batch job's) is limited to less: its ranks share that limit, and the
+    kernel's out-of-memory killer ends them at it, not at the machine's size."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = memory_limit()
+    return ram if limit is None else min(ram, limit)
 
 
 def usable_cpus() -> int:

@@ -1,17 +1,17 @@
 """The kernel's out-of-memory killer, as a trial sees it: a rank it kills dies by SIGKILL and
 leaves no error record, so the only sign is the kernel's own count of its kills.
 
-The count is read where it is narrowest: this process's memory cgroup (v2 `memory.events`, v1
-`memory.oom_control`: kills of processes in the cgroup the launcher and its ranks share, whether
-the cgroup's limit or the machine ran out), else the machine's (`oom_kill` in /proc/vmstat,
-Linux 4.13 and later), where a kill elsewhere on the machine while a rank died by SIGKILL for
+The count is read where it is narrowest: this process's memory cgroup (`tuner.cgroup`; v2
+`memory.events`, v1 `memory.oom_control`: kills of processes in the cgroup the launcher and its
+ranks share, whether the cgroup's limit or the machine ran out), else the machine's (`oom_kill`
+in /proc/vmstat, Linux 4.13 and later), where a kill elsewhere on the machine while a rank died by SIGKILL for
 another reason would be taken for this trial's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-_ROOT = Path("/sys/fs/cgroup")
+from tuner.cgroup import memory_cgroup
 
 
 def _read_count(path: Path, key: str) -> int | None:
@@ -26,36 +26,12 @@ def _read_count(path: Path, key: str) -> int | None:
 
 
 def _cgroup_file() -> Path | None:
-    """This process's memory cgroup's event file. The path /proc/self/cgroup gives is relative to
-    the hierarchy's root, which a container may have mounted at one of its ancestors: the longest
-    tail of the path that exists under the mount is the cgroup (the mount itself, at worst)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
+    """This process's memory cgroup's file of event counts."""
+    found = memory_cgroup()
+    if found is None:
         return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "" and _exists(_ROOT / "cgroup.controllers"):
-            mount, name = _ROOT, "memory.events"  # v2, unified
-        elif "memory" in controllers.split(","):
-            mount, name = _ROOT / "memory", "memory.oom_control"  # v1
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for i in range(len(parts) + 1):
-            candidate = mount.joinpath(*parts[i:], name)
-            if _exists(candidate):
-                return candidate
-    return None
-
-
-def _exists(path: Path) -> bool:
-    """Whether `path` exists; False where a directory on the way may not be searched (Path.exists
-    raises then), so the count falls back to the machine's instead of failing the launcher."""
-    try:
-        return path.exists()
-    except OSError:
-        return False
+    directory, version = found
+    return directory / ("memory.events" if version == 2 else "memory.oom_control")
 
 
 def oom_kills() -> int | None:

@@ -100,8 +100,9 @@ def _killed(rank: int, name: str, oom_kills: int | None) -> TrialResult:
             status=OOM,
             error_kind="oom_killer",
             error=f"rank {rank} was killed by the kernel's out-of-memory killer (it killed {oom_kills} "
-            "process(es) while the trial ran): the host ran out of memory; lower micro_batch_size, "
-            "enable recompute or set hardware.memory_budget_gb below the machine's memory",
+            "process(es) while the trial ran): the machine, or the memory limit of the container the "
+            "trial runs in, ran out; lower micro_batch_size, enable recompute or set "
+            "hardware.memory_budget_gb below that memory",
         )
     hint = ""
     if name == "SIGKILL":
