@@ -46,6 +46,37 @@ def test_forward_equals_transformers_own_on_the_same_weights(model_type):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+# Models whose modules hold buffers, or whose norms start elsewhere than at one.
+FIXED = {"gemma3_text": {"head_dim": 16}, "minicpm3": {"num_key_value_heads": 4}}
+
+
+@pytest.mark.parametrize("model_type", list(FIXED))
+def test_buffers_and_norms_start_where_transformers_own_init_puts_them(model_type):
+    """A meta build materialised by `to_empty` left buffers as stray memory (Gemma's embedding
+    scale read -5.8e-18 or 9.4e13 instead of 8: logits off by up to 16 against transformers on the
+    same weights), and set Gemma's norms, which compute x * (1 + w), to ones instead of zeros."""
+    m = _recipe({"model_type": model_type} | SMALL | FIXED[model_type]).model
+    ours = build_model(m, "math", seed=3, device=torch.device("cpu"))
+    theirs = build_hf(hf_config(m))  # built on the CPU: transformers' own init
+    their_buffers = dict(theirs.named_buffers())
+    buffers = dict(ours.named_buffers())
+    assert buffers, "the model holds no buffer: the test checks nothing"
+    for name, value in buffers.items():
+        torch.testing.assert_close(value, their_buffers["model." + name], msg=name)
+    their_params = dict(theirs.named_parameters())
+    norms = [n for n, _ in ours.named_parameters() if "norm" in n]
+    for name in norms:
+        torch.testing.assert_close(
+            dict(ours.named_parameters())[name], their_params["model." + name], msg=name
+        )
+    # With the drawn parameters loaded (and nothing else), the same logits.
+    params = {(k if k.startswith("lm_head.") else "model." + k): v for k, v in ours.named_parameters()}
+    theirs.load_state_dict(params, strict=False)
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(batch), theirs(input_ids=batch).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", list(CONFIGS))
 def test_sizes_and_counts_are_the_built_models(model_type):
     m = _recipe(CONFIGS[model_type]).model

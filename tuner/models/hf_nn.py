@@ -71,6 +71,7 @@ class HFDecoder(Decoder):
         self.norm: nn.Module | None = hf.model.norm
         self.lm_head: nn.Module | None = hf.lm_head
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self._hf_init = [hf._init_weights]  # a list: hf is not a submodule (`init_fixed`)
         with torch.device("cpu"):
             rotary = type(hf.model.rotary_emb)(config=cfg)
         self._rotary = [rotary]  # a list: not a submodule, so never on meta nor in the state
@@ -85,6 +86,30 @@ class HFDecoder(Decoder):
     def retie(self) -> None:
         if self.tied and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def init_fixed(self) -> None:
+        """transformers' own init (`_init_weights`) for the modules that hold buffers (Gemma's and
+        MiniCPM3's embedding scale, a router's score-correction bias, xIELU's constants: left
+        as stray memory by `to_empty`, logits off by up to 16 against transformers) and for the
+        norms, whose weights start where the model's rule says (zeros where the norm computes
+        x * (1 + w), as Gemma's: ones had doubled every norm's output). Deterministic values,
+        so every split gets the same; the drawn parameters are flagged as transformers flags
+        loaded ones, and its init functions leave them as drawn."""
+        from transformers import initialization
+
+        for module in self.modules():
+            norm = "LayerNorm" in type(module).__name__ or "RMSNorm" in type(module).__name__
+            if not norm and next(module.buffers(recurse=False), None) is None:
+                continue
+            params = list(module.parameters(recurse=False))
+            for p in params:
+                p._is_hf_initialized = not norm
+            try:
+                with initialization.guard_torch_init_functions():
+                    self._hf_init[0](module)
+            finally:
+                for p in params:
+                    del p._is_hf_initialized
 
     def _position_embeddings(self, x: torch.Tensor) -> dict[str, tuple]:
         """(cos, sin) by layer type, from the host's tables, in the hidden states' dtype as
@@ -176,7 +201,8 @@ def build(m, attention_backend: str = "math") -> HFDecoder:
 
 def init_rule(m):
     """transformers' own scheme: normal(0, initializer_range) for Linears and embeddings, norms
-    one, biases zero."""
+    one, biases zero; then `HFDecoder.init_fixed` sets the norms and buffers by the model's own
+    rule (zeros for Gemma's norms)."""
     std = float(getattr(hf_config(m), "initializer_range", 0.02))
 
     def rule(name: str) -> tuple[str, float]:

@@ -112,6 +112,11 @@ class Decoder(nn.Module):
     def retie(self) -> None:
         """Share weights that the family ties (after a step that may have replaced them)."""
 
+    def init_fixed(self) -> None:
+        """After the parameters are drawn (`init_parameters`): what the family's own modules set to
+        fixed values, the same on every rank whatever the split (buffers a meta build leaves
+        empty); nothing for the built-in families, whose modules hold no buffers."""
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over tokens, in fp32, on whole or vocabulary-sharded logits."""
         if self.vocab_group is None:

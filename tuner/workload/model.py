@@ -34,10 +34,12 @@ def materialize(model: nn.Module, spec: ModelSpec, device: torch.device, seed: i
     `model` may be wrapped (recompute, FSDP) and sharded (DTensor); each parameter is drawn by
     its name in the plain model, so wrappers and shards do not change the numbers."""
     model.to_empty(device=device)
-    for module in model.modules():
-        if isinstance(module, Decoder):
-            module.retie()  # to_empty may hand tied weights separate storage
+    decoders = [module for module in model.modules() if isinstance(module, Decoder)]
+    for decoder in decoders:
+        decoder.retie()  # to_empty may hand tied weights separate storage
     init_parameters(model, seed, family_of(spec).init_rule(spec))
+    for decoder in decoders:
+        decoder.init_fixed()  # to_empty leaves buffers as whatever memory it got
 
 
 def build_model(m: ModelSpec, attention_backend: str, seed: int, device: torch.device) -> Decoder:
