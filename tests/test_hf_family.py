@@ -184,6 +184,10 @@ BAD_VALUES = {
     # transformers' own refusal, its whole reason on one line (the second line used to be cut off)
     "int_eps": ({"rms_norm_eps": 1}, "model.config.rms_norm_eps", "transformers refused it: Validation error "
                 "for field 'rms_norm_eps': TypeError: Field 'rms_norm_eps' expected float, got int"),
+    # transformers reads 0 as a window in some models and as none in others
+    "window_zero": ({"sliding_window": 0}, "model.config.sliding_window", "positive whole number"),
+    # was accepted, then stored as null (YAML .inf, JSON 1e400)
+    "infinite_float": ({"initializer_range": float("inf")}, "model.config.initializer_range", "not a finite number"),
 }  # fmt: skip
 
 
@@ -274,3 +278,50 @@ def test_the_cli_plan_exits_2_naming_the_key(tmp_path):
     out = " ".join(result.output.split())
     assert result.exit_code == 2, result.output
     assert "model.config.hidden_act: 'bogus' is not an activation" in out and "Traceback" not in out
+
+
+def test_the_keys_of_shipped_config_files_are_taken_as_transformers_takes_them():
+    """`rope_theta` and `rope_scaling` are in every shipped Llama, Qwen2, Mistral and Gemma
+    config.json, and Gemma 3's carry `rope_local_base_freq` and `sliding_window_pattern`: their
+    config classes no longer declare them but read them. They were refused with "remove it",
+    which left the model on the default rotary base without its scaling."""
+    llama31 = {"model_type": "llama", "rope_theta": 500000.0, "max_position_embeddings": 16384,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}} | SMALL  # fmt: skip
+    m = _recipe(llama31).model
+    assert hf_config(m).rope_parameters["rope_theta"] == 500000.0
+    assert hf_config(m).rope_parameters["rope_type"] == "llama3"
+    gemma3 = {"model_type": "gemma3_text", "head_dim": 16, "rope_theta": 1e6, "rope_local_base_freq": 2e4,
+              "sliding_window": 8, "sliding_window_pattern": 2} | SMALL  # fmt: skip
+    cfg = hf_config(_recipe(gemma3).model)
+    assert cfg.rope_parameters["sliding_attention"]["rope_theta"] == 2e4
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("seq_len", [8, 16])
+def test_up_to_the_window_sliding_layers_run_causal_without_a_mask(seq_len):
+    """transformers builds a mask for a sequence as long as the window, though it masks nothing
+    causal attention does not: the decoder passes none there, so the kernels that take no mask
+    (CUDA flash, cuDNN) may run it, and the feasibility rule agrees; beyond the window, the mask."""
+    config = {"model_type": "mistral", "sliding_window": 8} | SMALL
+    m = _recipe(config, seq_len=seq_len).model
+    ours = build_model(m, "math", seed=3, device=torch.device("cpu"))
+    batch = torch.randint(0, 256, (2, seq_len), generator=torch.Generator().manual_seed(0))
+    masked = ours._masks(ours.embed_tokens(batch))["sliding_attention"] is not None
+    assert masked == family_of(m).masked_attention(m) == (seq_len > 8)
+    theirs = build_hf(hf_config(m))
+    theirs.load_state_dict(
+        {(k if k.startswith("lm_head.") else "model." + k): v for k, v in ours.state_dict().items()}
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(ours(batch), theirs(input_ids=batch).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_aria_block_routes_each_token_to_moe_topk_experts():
+    """Aria names its routed experts per token `moe_topk`: read as all eight, its FLOPs and MFU
+    were about 4x too high."""
+    from test_hf_types import tiny_config
+
+    m = _recipe(tiny_config("aria_text", None)).model
+    experts, top_k, _, _ = family_of(m).routed_experts(m)
+    assert (experts, top_k) == (hf_config(m).moe_num_experts, hf_config(m).moe_topk) and top_k < experts

@@ -28,14 +28,11 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from tuner.models.base import ModelFamily, Requirement, register
+from tuner.models.hf_values import plain_problems, value_problems
 
 if TYPE_CHECKING:
     from tuner.recipe import ModelSpec
 
-# Keys that would make transformers import or fetch code or files, or that the tuner owns.
-REFUSED_KEYS = frozenset({"auto_map", "trust_remote_code", "architectures", "attn_implementation", "dtype",
-                          "torch_dtype", "quantization_config", "transformers_version"})  # fmt: skip
-_CODE_WORDS = re.compile(r"class|module|file|path|auto_|tokenizer|processor|remote|url|repo", re.I)
 # recipe field -> the config attribute it is read from
 SIZE_FIELDS = {
     "layers": "num_hidden_layers",
@@ -44,22 +41,6 @@ SIZE_FIELDS = {
     "vocab": "vocab_size",
     "ffn": "intermediate_size",
 }
-# (least, most) of a config's sizes, mirrored from tuner.recipe.ModelSpec's Field bounds (layers
-# 1..512, hidden 8..65536, heads 1..1024, vocab 2..2_000_000, kv_heads and ffn >= 1, seq_len
-# <= 1_048_576): the sizes become those fields. ModelSpec leaves ffn unbounded; 16 x the widest
-# hidden keeps it finite. A model needs no positions past the longest seq_len.
-SIZE_BOUNDS = {
-    "num_hidden_layers": (1, 512),
-    "hidden_size": (8, 65536),
-    "num_attention_heads": (1, 1024),
-    "num_key_value_heads": (1, 1024),
-    "head_dim": (1, 65536),
-    "vocab_size": (2, 2_000_000),
-    "intermediate_size": (1, 16 * 65536),
-    "max_position_embeddings": (1, 1_048_576),
-}
-ACTIVATION_KEYS = ("hidden_act", "hidden_activation")
-_EPS_KEY = re.compile(r"(^|_)eps(ilon)?($|_)")
 MAX_REASON_CHARS = 400
 
 
@@ -94,32 +75,27 @@ def _config_class(model_type: str) -> Any:
     return CONFIG_MAPPING[model_type]
 
 
+# Keys of shipped config.json files that config classes no longer declare but still read: every
+# class that declares `rope_parameters` folds these into it.
+LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
+_KWARGS_READ = re.compile(r"kwargs\.(?:get|pop)\(\s*[\"'](\w+)[\"']")
+
+
 def _declared(cls: Any) -> set[str]:
-    if dataclasses.is_dataclass(cls):
-        return {f.name for f in dataclasses.fields(cls)}
+    """The keys a config class takes: its fields, the legacy rotary keys where it has
+    `rope_parameters`, and what its own code reads from its extra keyword arguments (Gemma 3's
+    `rope_local_base_freq` and `sliding_window_pattern`)."""
     import inspect
 
-    return set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
-
-
-def _plain(value: Any, where: str, out: list[tuple[str, str]]) -> None:
-    """Numbers, strings, booleans, null, and lists/mappings of them; mapping keys checked too."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            _plain(v, f"{where}[{i}]", out)
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not isinstance(k, str):
-                out.append((where, f"key {k!r} is not text; config keys are names"))
-            elif k in REFUSED_KEYS or _CODE_WORDS.search(k):
-                out.append((f"{where}.{k}", "names code or a file; a recipe is data, remove it"))
-            else:
-                _plain(v, f"{where}.{k}", out)
-        return
-    out.append((where, f"{type(value).__name__} is not plain data (numbers, text, lists, mappings)"))
+    if dataclasses.is_dataclass(cls):
+        names = {f.name for f in dataclasses.fields(cls)}
+    else:
+        names = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    if "rope_parameters" in names:
+        names |= set(LEGACY_ROPE_KEYS)
+    with contextlib.suppress(OSError, TypeError):
+        names |= set(_KWARGS_READ.findall(inspect.getsource(cls)))
+    return names
 
 
 def config_problems(config: Any, where: str = "model.config") -> list[tuple[str, str]]:
@@ -127,7 +103,7 @@ def config_problems(config: Any, where: str = "model.config") -> list[tuple[str,
     if not isinstance(config, dict):
         return [(where, "must be a mapping with model_type and the config class's keys")]
     out: list[tuple[str, str]] = []
-    _plain({k: v for k, v in config.items() if k != "model_type"}, where, out)
+    plain_problems({k: v for k, v in config.items() if k != "model_type"}, where, out)
     model_type = config.get("model_type")
     supported = supported_types()
     if model_type not in supported:
@@ -143,51 +119,9 @@ def config_problems(config: Any, where: str = "model.config") -> list[tuple[str,
         if key != "model_type" and key not in declared and not any(f == f"{where}.{key}" for f, _ in out):
             out.append((f"{where}.{key}", f"{model_type}'s config declares no {key!r}; remove it"))
     if not out:
-        out = _value_problems(config, where)
+        out = value_problems(config, where)
     if not out:
         out = _build_problems(config, where)
-    return out
-
-
-def _size_problem(key: str, value: Any) -> str | None:
-    low, high = SIZE_BOUNDS[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        shown = str(value).lower() if isinstance(value, bool) else repr(value)
-        shown = f"text {shown}" if isinstance(value, str) else shown
-        return f"{shown} is not a whole number; set {key} to an integer from {low} to {high} (no quotes)"
-    if not low <= value <= high:
-        return f"{value} is out of range; set {key} to an integer from {low} to {high}"
-    return None
-
-
-def _eps_problem(key: str, value: Any) -> str | None:
-    if isinstance(value, str):
-        return (f"text {value!r} is not a number; write it as a float such as 1.0e-6 "
-                "(YAML reads 1e-6 without the point as text)")  # fmt: skip
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
-        return f"{value} is not positive; set {key} to a small positive float such as 1.0e-6"
-    return None
-
-
-def _value_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]:
-    """The sizes, norm epsilons and activations a recipe gives, checked before transformers sees
-    them (its config builds per-layer lists from the sizes, and takes a negative epsilon)."""
-    out: list[tuple[str, str]] = []
-    for key, value in config.items():
-        problem = None
-        if value is None:
-            continue
-        if key in SIZE_BOUNDS:
-            problem = _size_problem(key, value)
-        elif _EPS_KEY.search(key):
-            problem = _eps_problem(key, value)
-        elif key in ACTIVATION_KEYS and isinstance(value, str):
-            from transformers.activations import ACT2FN
-
-            if value not in ACT2FN:
-                problem = f"{value!r} is not an activation transformers knows; use one of {', '.join(sorted(ACT2FN))}"
-        if problem:
-            out.append((f"{where}.{key}", problem))
     return out
 
 
@@ -294,6 +228,14 @@ def hf_config(m: ModelSpec) -> Any:
     return resolved(_key(m.config))
 
 
+def sliding_mask(cfg: Any, seq_len: int) -> bool:
+    """Whether the model's sliding-window layers need a mask at `seq_len`: some layer slides, and
+    the sequence is longer than the window (a query sees keys less than the window behind it, so
+    up to the window's length causal attention is the same)."""
+    window = getattr(cfg, "sliding_window", None)
+    return bool(window and seq_len > window and "sliding_attention" in layer_types(cfg))
+
+
 def layer_types(cfg: Any) -> list[str]:
     """Each decoder layer's attention kind, as transformers' own model reads it: the config's
     `layer_types` ("full_attention", "sliding_attention", ...), else every layer sliding when the
@@ -368,9 +310,7 @@ class HFFamily(ModelFamily):
         return super().recomputed_flops_per_token(m, recompute)
 
     def masked_attention(self, m: ModelSpec) -> bool:
-        cfg = hf_config(m)
-        window = getattr(cfg, "sliding_window", None)
-        return bool(window and m.seq_len > window and "sliding_attention" in layer_types(cfg))
+        return sliding_mask(hf_config(m), m.seq_len)
 
     def head_dim(self, m: ModelSpec) -> int:
         return int(_attr(hf_config(m), "head_dim") or super().head_dim(m))

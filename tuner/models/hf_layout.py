@@ -77,10 +77,22 @@ def _routed_experts(block: Any, cfg: Any, mlp_matmul: int) -> dict[str, int]:
         return {"experts": 0, "top_k": 0, "expert_width": 0, "shared_width": 0, "active_expert_params": 0}
     h, experts = cfg.hidden_size, stacked[0].shape[0]
     numel = sum(p.numel() for p in stacked)
-    top_k = min(int(getattr(cfg, "num_experts_per_tok", 0) or experts), experts)
+    top_k = min(int(_routed_per_token(cfg) or experts), experts)
     return {"experts": experts, "top_k": top_k, "expert_width": numel // experts // (3 * h),
             "shared_width": max(0, mlp_matmul - experts * h) // (3 * h),
             "active_expert_params": numel * top_k // experts}  # fmt: skip
+
+
+# Where a config names the experts a token is routed to (Aria: moe_topk).
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+
+
+def _routed_per_token(cfg: Any) -> int | None:
+    for key in TOP_K_KEYS:
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 @functools.lru_cache(maxsize=64)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from tuner.models.hf import hf_config, layer_types
+from tuner.models.hf import hf_config, layer_types, sliding_mask
 from tuner.models.layers import SDPA_BACKENDS, Decoder
 
 TP_STYLES = ("colwise", "rowwise")
@@ -128,10 +128,12 @@ class HFDecoder(Decoder):
         return self._tables[key]
 
     def _masks(self, x: torch.Tensor) -> dict[str, torch.Tensor | None]:
-        """The attention mask by layer type, by transformers' own rules: None (causal, SDPA's
-        is_causal) for full attention; a window for sliding layers once the sequence is longer."""
-        masks: dict[str, torch.Tensor | None] = {"full_attention": None}
-        if "sliding_attention" in self.layer_types:
+        """The attention mask by layer type: None (causal, SDPA's is_causal) for full attention,
+        and for sliding layers up to the window's length (`hf.sliding_mask`: transformers builds
+        a mask there too, which keeps the kernels that take none from running it); beyond, the
+        window, by transformers' own `create_sliding_window_causal_mask`."""
+        masks: dict[str, torch.Tensor | None] = {"full_attention": None, "sliding_attention": None}
+        if sliding_mask(self._cfg, x.shape[1]):
             from transformers.masking_utils import create_sliding_window_causal_mask
 
             # No position ids: with them transformers checks for packed sequences, reading a
