@@ -17,6 +17,7 @@ from api import Settings, create_app
 from api.auth import create_token, revoke_token
 from tuner.db import Build, Job, add_event, get_engine, session_scope, utcnow
 from tuner.executors.nodes import free_port
+from tuner.recipe import RecipeError, parse_recipe
 
 TINY = """\
 name: gpt-tiny
@@ -261,6 +262,26 @@ def test_json_bodies_are_read_as_a_recipe_file_is(client, auth):
     resp = _submit(client, auth, '{"search": {"seed": ' + "9" * 5000 + "}}", "application/json")
     assert resp.status_code == 422 and "thousands of digits" in _fields(resp)["body"]
     assert "sys." not in resp.text
+
+
+def _alias_bomb(levels: int) -> str:
+    """About 90 bytes a level; each level's list repeats the previous one ten times."""
+    lines = ["name: bomb", "model:", "  family: hf", "  config:", "    model_type: llama"]
+    lines.append("    x0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]")
+    for i in range(1, levels):
+        lines.append(f"    x{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_recipe_that_repeats_parts_by_aliases_is_refused_at_once(client, auth):
+    """Seven levels, 630 bytes, kept `tuner plan` busy for 41 s walking 10^7 values (level 9: an
+    hour), and a REST request as long: aliases are refused where the text is read."""
+    start = time.process_time()
+    resp = _submit(client, auth, _alias_bomb(9))
+    assert resp.status_code == 422 and "alias *a0 repeats another part" in _fields(resp)[""]
+    with pytest.raises(RecipeError, match=r"line 7, column \d+: alias \*a0"):
+        parse_recipe(_alias_bomb(9))
+    assert time.process_time() - start < 5
 
 
 def test_oversized_and_mistyped_bodies(client, auth):

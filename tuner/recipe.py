@@ -329,7 +329,17 @@ def recipe_from_dict(data: Any, source: str | None = None) -> Recipe:
 
 class _RecipeLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (YAML and JSON both let the
-    last one win silently: `search:` twice would drop the first block)."""
+    last one win silently: `search:` twice would drop the first block), and aliases (`*name`): a
+    recipe never needs them, and ten levels of lists of ten aliases each, 700 bytes, expand to
+    10^9 values that the checks would walk for hours, from any entry point."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"alias *{event.anchor} repeats another part; write the value out", event.start_mark
+            )
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
