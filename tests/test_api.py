@@ -240,6 +240,15 @@ def test_unknown_search_space_or_override_is_refused_at_submit(client, auth):
     assert "choose from" in message and "GET /v1/search-spaces" in message and "edit" not in message
 
 
+def test_a_recipe_no_machine_could_run_is_refused_at_submit_with_device_auto(client, auth):
+    """With `device: auto` the worker's machine picks the space; a model that no space's splits
+    fit was queued (202) and failed on the worker, where `tuner tune` and /v1/plans refused it."""
+    auto = TINY.replace("device: cpu, devices: 1", "device: auto, devices: 3000")
+    resp = _submit(client, auth, auto)
+    assert resp.status_code == 422 and "no split of 3000 devices" in _fields(resp)["hardware.devices"]
+    assert _submit(client, auth, TINY.replace("device: cpu", "device: auto")).status_code == 202
+
+
 def _json_with(overrides: dict) -> str:
     doc = yaml.safe_load(TINY)
     doc["search"]["overrides"] = overrides

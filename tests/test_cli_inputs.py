@@ -4,6 +4,7 @@ names every command spells the same way, and that every command's --help shows a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,27 @@ BAD_FILES = {
         "colour: unknown field",
     ),
     "list as a key": (lambda p: p.write_text(yaml.safe_dump(GOOD) + "? [a, b]\n: 2\n"), "a key is a name"),
+    # open() on a FIFO waits for a writer: every command hung
+    "fifo": (lambda p: os.mkfifo(p), "is not a regular file"),
+    # the space file a recipe names: a traceback (a directory), a hang (a FIFO), no field (not UTF-8)
+    "space a directory": (
+        lambda p: p.write_text(yaml.safe_dump({**GOOD, "search": {"space": str(p.parent)}})),
+        "search.space: " + "{dir}: is a directory, not a search space file",
+    ),
+    "space a fifo": (
+        lambda p: (
+            os.mkfifo(p.parent / "space.yaml"),
+            p.write_text(yaml.safe_dump({**GOOD, "search": {"space": str(p.parent / "space.yaml")}})),
+        ),
+        "search.space: {dir}/space.yaml: is not a regular file",
+    ),
+    "space not utf-8": (
+        lambda p: (
+            (p.parent / "space.yaml").write_bytes(b"\xff\xfe"),
+            p.write_text(yaml.safe_dump({**GOOD, "search": {"space": str(p.parent / "space.yaml")}})),
+        ),
+        "search.space: {dir}/space.yaml: is not UTF-8 text (byte 0xff",
+    ),
 }
 
 COMMANDS = {
@@ -70,12 +92,14 @@ def test_every_command_refuses_a_bad_recipe_file_in_one_line(tmp_path, monkeypat
     )
     path = tmp_path / "recipe.yaml"
     make(path)
+    made = sorted(p.name for p in tmp_path.iterdir())
     result = runner.invoke(app, COMMANDS[command](str(path)))
     assert result.exit_code == 2, result.output
     line = _one_line(result.output)
-    assert line.startswith("error: ") and str(path) in line and expected in line, line
+    assert line.startswith("error: ") and expected.format(dir=tmp_path) in line, line
+    assert str(path) in line or kind.startswith("space"), line
     assert "Traceback" not in result.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["recipe.yaml"] if kind != "missing" else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == made
 
 
 @pytest.mark.parametrize(

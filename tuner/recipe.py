@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import stat
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -337,7 +338,10 @@ class _RecipeLoader(yaml.SafeLoader):
         if self.check_event(yaml.events.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None, None, f"alias *{event.anchor} repeats another part; write the value out", event.start_mark
+                None,
+                None,
+                f"alias *{event.anchor} repeats another part; write the value out",
+                event.start_mark,
             )
         return super().compose_node(parent, index)
 
@@ -419,32 +423,44 @@ def parse_recipe(text: str, source: str | None = None) -> Recipe:
 MAX_RECIPE_BYTES = 1_048_576
 
 
-def read_recipe_text(path: str | Path) -> str:
-    """The text of a recipe file, or a RecipeError naming the file and what is wrong with it
-    (missing, a directory, unreadable, too large, binary, not UTF-8)."""
+def read_text_file(path: str | Path, what: str = "recipe", limit: int = MAX_RECIPE_BYTES) -> str:
+    """The text of a small YAML or JSON file (a recipe, a search space), or a ValueError saying what
+    is wrong with it, for the caller to name its field: missing, a directory, not a regular file (a
+    FIFO would block the open until something writes to it), unreadable, too large, binary, not
+    UTF-8."""
     p = Path(path)
-    source = str(p)
-
-    def refuse(message: str) -> RecipeError:
-        return RecipeError([("", message)], source)
-
-    if p.is_dir():
-        raise refuse("is a directory, not a recipe file; give the path of a YAML or JSON file")
+    try:
+        mode = p.stat().st_mode
+    except OSError as err:
+        raise ValueError(f"cannot read {what} file: {err.strerror or err}") from None
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"is a directory, not a {what} file; give the path of a YAML or JSON file")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"is not a regular file (a pipe or a device); give the path of a {what} file")
     try:
         with open(p, "rb") as f:
-            data = f.read(MAX_RECIPE_BYTES + 1)  # bounded: a FIFO or /dev/zero must not hang us
+            data = f.read(limit + 1)
     except OSError as err:
-        raise refuse(f"cannot read recipe file: {err.strerror or err}") from None
-    if len(data) > MAX_RECIPE_BYTES:
-        raise refuse(f"larger than {MAX_RECIPE_BYTES // 1024} KiB; a recipe is a short YAML or JSON file")
+        raise ValueError(f"cannot read {what} file: {err.strerror or err}") from None
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit // 1024} KiB; a {what} is a short YAML or JSON file")
     if b"\x00" in data:
-        raise refuse("is a binary file, not YAML or JSON text")
+        raise ValueError("is a binary file, not YAML or JSON text")
     try:
         return data.decode("utf-8-sig")  # a UTF-8 byte-order mark is allowed, and dropped
     except UnicodeDecodeError as err:
-        raise refuse(
+        raise ValueError(
             f"is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); save it as UTF-8"
         ) from None
+
+
+def read_recipe_text(path: str | Path) -> str:
+    """The text of a recipe file, or a RecipeError naming the file and what is wrong with it
+    (`read_text_file`)."""
+    try:
+        return read_text_file(path)
+    except ValueError as err:
+        raise RecipeError([("", str(err))], str(Path(path))) from None
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -9,11 +9,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tuner.config import KNOBS, Config, ConfigError, infeasible_reasons, shape_reasons
 from tuner.devices import FAMILIES, DeviceInfo
-from tuner.recipe import Recipe
+from tuner.recipe import Recipe, RecipeError, load_document, read_text_file
 
 # The repo root holds search_spaces/; with `pip install -e .` the package sits next to it.
 SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
@@ -316,27 +314,35 @@ def available_spaces() -> list[str]:
     return sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
 
 
-def recipe_space_problems(recipe: Recipe, *, client_hint: str | None = None) -> list[tuple[str, str]]:
+def recipe_space_problems(
+    recipe: Recipe, *, client_hint: str | None = None, shapes: bool = True
+) -> list[tuple[str, str]]:
     """(field, message) problems of the recipe's space and overrides, found before any machine is
     asked (the REST service on submit, the nightly before its first recipe). With `hardware.device:
-    auto` the machine picks the space, so the overrides must hold in one of them (and the model's
-    shapes are that machine's to check). `client_hint`: the entry point's user has no server files
+    auto` the machine picks the space, so the overrides must hold, and the model's shapes fit, in
+    one of them. `client_hint`: the entry point's user has no server files
     (REST): a space is only a name there (a recipe must not point a worker at a file on its disk),
-    and the hint, where every space's values are listed, replaces "edit the file"."""
+    and the hint, where every space's values are listed, replaces "edit the file". `shapes=False`
+    leaves the model's shapes to a later check that knows the machine (the CLI's preflight,
+    whose "this machine has N devices" says more than "no split of N devices fits")."""
     device = recipe.hardware.device
     named = recipe.search.space or (device if device != "auto" else None)
     if client_hint is not None and named is not None and named not in available_spaces():
         known = ", ".join(available_spaces()) or "none"
         return [("search.space", f"unknown search space; this service has: {known}")]
-    errors = []
+    errors, misfits = [], []
     for name in [named] if named is not None else available_spaces():
         try:
             space = load_space(name).narrow(recipe.search.overrides)
         except SpaceError as err:
             errors.append(err)
             continue
-        problem = space.shape_problem(recipe) if named is not None else None
-        return [problem.pair()] if problem else []
+        problem = space.shape_problem(recipe) if shapes else None
+        if problem is None:
+            return []
+        misfits.append(problem)
+    if misfits:  # every space loaded, and the model fits none (with `auto`: whichever machine runs it)
+        return [misfits[0].pair()]
     if not errors:
         return []
     err = errors[0]
@@ -345,20 +351,24 @@ def recipe_space_problems(recipe: Recipe, *, client_hint: str | None = None) -> 
     return [(err.field or "search.space", err.message + err.here)]
 
 
+def _first_problem(err: ValueError) -> str:
+    return err.problems[0][1] if isinstance(err, RecipeError) and err.problems else str(err)
+
+
 def load_space(name_or_path: str | Path) -> SearchSpace:
     """Load a space by name (search_spaces/<name>.yaml) or by path to a YAML file."""
     path = _space_path(name_or_path)
     src = str(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
+    if not path.exists():
         known = ", ".join(available_spaces()) or "none"
         raise SpaceError(
             f"search space {str(name_or_path)!r} not found ({src}); known spaces: {known}, "
             "or give a path to a YAML file"
-        ) from None
-    except yaml.YAMLError as err:
-        raise SpaceError(f"{src}: not valid YAML: {err}") from None
+        )
+    try:
+        data = load_document(read_text_file(path, "search space"), src)
+    except ValueError as err:  # the file (RecipeError is one too: the text is not YAML)
+        raise SpaceError(f"{src}: {_first_problem(err)}") from None
     if not isinstance(data, dict):
         raise SpaceError(f"{src}: expected a mapping with keys 'family' and 'knobs'")
     unknown = set(data) - {"family", "knobs"}

@@ -34,12 +34,19 @@ def refuse_renamed_timeout(given: str | None, new_name: str, unit: str) -> None:
 
 
 def load_recipe_or_exit(path: str):
+    """The recipe at `path` with the checks every entry point makes (the REST service on submit,
+    the nightly before its first recipe): its fields, then its search space and overrides (the
+    model's shapes come with the machine's device count, in each command's own checks)."""
     from tuner.recipe import RecipeError, load_recipe
+    from tuner.space import recipe_space_problems
 
     try:
-        return load_recipe(path)
+        recipe = load_recipe(path)
     except RecipeError as err:
         fail(str(err))
+    for field, why in recipe_space_problems(recipe, shapes=False)[:1]:
+        fail(f"{path}: {field}: {why}")
+    return recipe
 
 
 def storage_or_exit(url: str | None) -> str:

@@ -63,8 +63,8 @@ def find_recipes(path: Path) -> list[tuple[Path, Recipe]]:
         files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml", ".json") and p.is_file())
         if not files:
             raise NightlyError(f"{path}: no recipe files (*.yaml, *.yml, *.json) in this folder")
-    elif path.is_file():
-        files = [path]
+    elif path.exists():
+        files = [path]  # a pipe or a device too: load_recipe refuses it by name
     else:
         raise NightlyError(f"{path}: no such folder or file; pass the folder of nightly recipes")
     problems, found, seen = [], [], {}
