@@ -167,3 +167,17 @@ def test_measurements_started_together_each_report_their_own_config(recipe, tmp_
     assert {mbs: d["extra"]["config"]["micro_batch_size"] for mbs, d in docs.items()} == {1: 1, 2: 2}
     assert docs[1]["extra"]["workdir"] != docs[2]["extra"]["workdir"]
     assert all(Path(d["extra"]["workdir"]).parent == tmp_path / "runs" / "measure" for d in docs.values())
+
+
+def test_a_recipe_name_with_slashes_makes_one_directory_under_runs(tmp_path):
+    """The default work directory was named by the raw recipe name: `team/gpt` was a
+    FileNotFoundError traceback, and `../` would have left runs/."""
+    path = tmp_path / "slashed.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "name": "team/../gpt"}))
+    out = tuner(str(path), "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (made,) = (tmp_path / "runs" / "measure").iterdir()
+    assert made.name.startswith(
+        "team-..-gpt-"
+    )  # one directory: no "/" is left and (made / "trial.log").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "slashed.yaml"]

@@ -138,6 +138,7 @@ def _trial_spec(
     from tuner.fingerprint import described_here
     from tuner.result import TrialSpec
     from tuner.settings import runs_dir
+    from tuner.study.naming import name_slug
 
     requested = device or recipe.hardware.device
     try:
@@ -166,7 +167,7 @@ def _trial_spec(
         parent = runs_dir() / "measure"
         parent.mkdir(parents=True, exist_ok=True)
         workdir = Path(
-            tempfile.mkdtemp(prefix=f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=parent)
+            tempfile.mkdtemp(prefix=f"{name_slug(recipe.name)}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=parent)
         )
     spec = TrialSpec(
         recipe=recipe.to_dict(),
