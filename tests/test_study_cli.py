@@ -3,6 +3,7 @@ reports what a study found (a study made with the in-test executor of tests/test
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -51,6 +52,25 @@ def test_tune_rejects_bad_input_with_exit_2_and_the_field(tmp_path, args, change
     assert result.exit_code == 2, result.output
     assert expected in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["tune", "show", "plan"])
+def test_another_programs_database_is_refused_and_left_as_it_was(tmp_path, command):
+    """`--storage sqlite:///mlflow.db` (another program's, with its own alembic_version): Optuna
+    added its 11 tables beside the other program's, then stopped with a traceback suggesting to
+    update Optuna. Refused before anything in it changes (its journal mode included)."""
+    import sqlite3
+
+    path = tmp_path / "mlflow.db"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.executescript("create table alembic_version (version_num varchar(32) primary key);"
+                         "insert into alembic_version values ('0584bdc529eb'); create table experiments (id int);")  # fmt: skip
+        db.commit()
+    before = path.read_bytes()
+    result = runner.invoke(app, [command, write_recipe(tmp_path), "--storage", f"sqlite:///{path}"])
+    assert result.exit_code == 2, result.output
+    assert "holds another program's tables (alembic_version, experiments)" in " ".join(result.output.split())
+    assert path.read_bytes() == before and "Traceback" not in result.output
 
 
 def test_a_recipe_over_several_nodes_is_checked_per_node_not_against_this_machine_alone(tmp_path):

@@ -45,6 +45,32 @@ def _enable_wal(path: str) -> None:
         ) from None
 
 
+# Tables that make a database the tuner's: Optuna's (its studies) or the service's (its jobs).
+OWN_TABLES = ("studies", "jobs")
+
+
+def _refuse_another_programs(url: str) -> None:
+    """Refuse a database that holds tables and none of the tuner's (another program's, such as
+    MLflow's `sqlite:///mlflow.db`): Optuna would add its tables beside them, then stop on the
+    other program's schema version with a traceback that suggests updating Optuna."""
+    try:
+        engine = sqlalchemy.create_engine(url)
+    except (sqlalchemy.exc.SQLAlchemyError, ImportError):
+        return  # the open below says what is wrong with the URL
+    try:
+        tables = set(sqlalchemy.inspect(engine).get_table_names())
+    except sqlalchemy.exc.SQLAlchemyError:
+        return  # or with the database
+    finally:
+        engine.dispose()
+    if tables and not tables & set(OWN_TABLES):
+        shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise ValueError(
+            f"--storage: {url!r} holds another program's tables ({shown}) and none of the tuner's; "
+            "give the tuner a database of its own (another --storage, or TUNER_DATABASE_URL)"
+        )
+
+
 def _on_sqlite_connect(dbapi_con: Any, _record: Any) -> None:
     dbapi_con.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_TIMEOUT_S * 1000}")
     dbapi_con.execute("PRAGMA synchronous = NORMAL")
@@ -60,6 +86,7 @@ def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
         storage = _storages.get(url)
         if storage is not None:
             return storage
+        _refuse_another_programs(url)  # before anything changes in it (WAL mode is the file's)
         if url.startswith("sqlite"):
             path = _sqlite_path(url)
             if path:
