@@ -33,7 +33,9 @@ def write_recipe(tmp_path, **changes) -> str:
     ("args", "changes", "expected"),
     [
         (["--sampler", "annealing"], {}, "--sampler: unknown sampler 'annealing'"),
-        (["--trials", "0"], {}, "--trials: must be at least 1"),
+        (["--trials", "0"], {}, "--trials: must be from 1 to 100,000"),
+        (["--trials", "999999999"], {}, "--trials: must be from 1 to 100,000, got 999,999,999"),
+        (["--top", "0"], {}, "--top: must be at least 1"),
         (["--timeout-min", "-1"], {}, "--timeout-min: must be a positive number"),
         (["--executor", "slurm"], {}, "--executor: unknown executor 'slurm'"),
         (["--storage", "nosuchdb://x"], {}, "--storage: 'nosuchdb://x' is not a database URL"),

@@ -27,6 +27,10 @@ from pydantic import (
 )
 
 
+# The most trials one study may be asked for (recipe, `tuner tune --trials`).
+MAX_TRIALS = 100_000
+
+
 class RecipeError(ValueError):
     """A recipe that cannot be used. `problems` holds one (field, message) pair per fault."""
 
@@ -200,7 +204,7 @@ class SearchSpec(_Section):
     space: str | None = Field(
         None, description="Search space name (search_spaces/<name>.yaml); default: device family."
     )
-    trials: int = Field(30, ge=1, le=100_000, description="Trials to run (pruned ones count).")
+    trials: int = Field(30, ge=1, le=MAX_TRIALS, description="Trials to run (pruned ones count).")
     timeout_min: Real = Field(30, gt=0, le=1e6, description="Stop starting new trials after this long.")
     sampler: Sampler = Field(
         "model",

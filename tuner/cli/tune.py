@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from tuner.recipe import SAMPLERS
+from tuner.recipe import MAX_TRIALS, SAMPLERS
 
 if TYPE_CHECKING:
     from tuner.summary import StudySummary
@@ -101,8 +101,10 @@ def tune(
 ) -> None:
     refuse_renamed_timeout(legacy_timeout, "--timeout-min", "MINUTES")
     recipe = load_recipe_or_exit(recipe_path)
-    if trials is not None and trials < 1:
-        fail(f"--trials: must be at least 1, got {trials}")
+    if trials is not None and not 1 <= trials <= MAX_TRIALS:
+        fail(f"--trials: must be from 1 to {MAX_TRIALS:,}, got {trials:,}")
+    if top < 1:
+        fail(f"--top: must be at least 1, got {top}")
     if timeout_min is not None and (not math.isfinite(timeout_min) or timeout_min <= 0):  # NaN too
         fail(
             f"--timeout-min: must be a positive number of minutes, got {timeout_min:g}; e.g. --timeout-min 30"
