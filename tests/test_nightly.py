@@ -580,6 +580,8 @@ def test_bad_input_exits_2_with_the_fix(tmp_path):
         ["nightly", str(tmp_path), "--api", "http://x:8000"], env={"TUNER_API_TOKEN": ""}
     )
     assert no_token == 2 and "--token" in no_token_out
+    not_a_url, not_a_url_out = invoke(["nightly", str(tmp_path), "--api", "notaurl", "--token", "T"])
+    assert not_a_url == 2 and "--api: 'notaurl' is not the service's URL" in not_a_url_out
 
     (tmp_path / "b.yaml").write_text(
         "name: a\nmodel: {layers: 2, hidden: 64, heads: 4, seq_len: 8, vocab: 64}\n"

@@ -48,6 +48,18 @@ def _absolute(path: Path) -> Path:
     return absolute(path)
 
 
+def _check_api_url(api: str) -> None:
+    """--api is the service's base URL: http(s), a host; what else was taken failed every recipe
+    of the pass, each as a run failure (exit 1), not as the bad option it is (exit 2)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(api)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        fail(
+            f"--api: {api!r} is not the service's URL; give http(s)://HOST[:PORT], e.g. --api http://tuner:8000"
+        )
+
+
 def nightly(
     recipes: Path = typer.Argument(
         ..., help="Folder of recipe files (*.yaml, *.yml, *.json) to re-tune, or one recipe file."
@@ -118,6 +130,8 @@ def nightly(
         fail("--local and --api exclude each other: tune here (--local) or through the service (--api URL)")
     if api and not token:
         fail("--api needs --token (or $TUNER_API_TOKEN); create one with `tuner token create --name nightly`")
+    if api:
+        _check_api_url(api)
     executor_name_or_exit(executor)
     if storage is not None:
         from tuner.settings import absolute_database_url
