@@ -26,7 +26,6 @@ from pydantic import (
     model_validator,
 )
 
-
 # The most trials one study may be asked for (recipe, `tuner tune --trials`).
 MAX_TRIALS = 100_000
 
