@@ -300,6 +300,18 @@ def test_oversized_and_mistyped_bodies(client, auth):
     assert resp.status_code == 415 and "application/yaml" in _fields(resp)["Content-Type"]
     resp = _submit(client, auth, "{not json", content_type="application/json")
     assert resp.status_code == 422 and "not valid JSON at line 1" in _fields(resp)["body"]
+    assert "reads as YAML" not in _fields(resp)["body"]
+    # A YAML recipe sent as JSON: the error says which Content-Type it needs.
+    resp = _submit(client, auth, TINY, content_type="application/json")
+    assert resp.status_code == 422 and "send it with Content-Type: application/yaml" in _fields(resp)["body"]
+
+
+def test_a_plan_refuses_a_query_parameter_it_does_not_take(client, auth):
+    """A misspelt ?devcies=8 planned for the recipe's own device count, silently."""
+    headers = {**auth, "Content-Type": "application/yaml"}
+    resp = client.post("/v1/plans?devcies=8&top=1", content=TINY, headers=headers)
+    assert resp.status_code == 422 and "takes devices, top, device" in _fields(resp)["query.devcies"]
+    assert client.post("/v1/plans?devices=1&top=1", content=TINY, headers=headers).status_code == 200
 
 
 # ---- jobs ---------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from api.responses import FiniteJSONResponse
 from api.schemas import BestPublic, JobId, JobLog, JobPage, JobPublic, JobState, TrialPage
 from api.settings import Settings
 from tuner.db import FINAL_STATES, Build, Job, add_event, utcnow
-from tuner.recipe import Recipe, RecipeError, load_json, parse_recipe, recipe_from_dict
+from tuner.recipe import Recipe, RecipeError, load_document, load_json, parse_recipe, recipe_from_dict
 from tuner.space import recipe_space_problems
 
 # The errors that follow from what a route is (401, 404 under a job id, 422, ...) are declared
@@ -73,12 +73,26 @@ def _parse_body(raw: bytes, content_type: str) -> Recipe:
         if kind in ("application/json", ""):
             return recipe_from_dict(load_json(text))
     except RecipeError as err:
-        raise ApiError(422, "invalid recipe", err.problems) from None
+        problems = err.problems
+        if kind != "application/json" or not _reads_as_yaml(text):
+            raise ApiError(422, "invalid recipe", problems) from None
+        hint = "; the body reads as YAML: send it with Content-Type: application/yaml"
+        raise ApiError(
+            422, "invalid recipe", [(f, m + hint if f == "body" else m) for f, m in problems]
+        ) from None
     raise ApiError(
         415,
         f"unsupported Content-Type {kind!r}",
         [("Content-Type", "use application/json or application/yaml")],
     )
+
+
+def _reads_as_yaml(text: str) -> bool:
+    """Whether a body that is not JSON is a YAML mapping (a recipe sent with the wrong type)."""
+    try:
+        return isinstance(load_document(text), dict)
+    except RecipeError:
+        return False
 
 
 def _check_recipe(recipe: Recipe, settings: Settings, *, runs_here: bool = True) -> None:

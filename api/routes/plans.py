@@ -11,6 +11,7 @@ from api.errors import ApiError
 from api.routes.jobs import _RECIPE_BODY, RawBody, _check_recipe, _parse_body
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"])
+QUERY = ("devices", "top", "device")  # create_plan's query parameters
 
 
 @router.post(
@@ -31,6 +32,13 @@ async def create_plan(
     any job ran), from the device priors and every trial measured there. `extrapolated` says
     when it goes beyond them. `device` (V100, A100, H100, H200, 910B): plan for that catalogued
     device instead, from its datasheet priors alone."""
+    unknown = sorted(set(request.query_params) - set(QUERY))
+    if unknown:  # a misspelt ?devcies=8 planned for the recipe's own device count
+        raise ApiError(
+            422,
+            "unknown query parameter",
+            [(f"query.{k}", f"unknown; this endpoint takes {', '.join(QUERY)}") for k in unknown],
+        )
     recipe = _parse_body(body, request.headers.get("content-type", ""))
     _check_recipe(recipe, settings, runs_here=False)
     from tuner.devices import UnavailableDevice
