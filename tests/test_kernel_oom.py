@@ -21,7 +21,7 @@ from test_measure_cli import TINY  # the two-rank tiny gpt `tuner measure` is te
 from tuner.executors.kernel_oom import _cgroup_file, kills_since, oom_kills
 from tuner.executors.outcome import classify
 from tuner.record.status import ERROR, OOM
-from tuner.result import TrialSpec
+from tuner.result import TrialResult, TrialSpec
 
 
 def _new_memory_cgroup(limit_bytes: int) -> Path:
@@ -159,3 +159,37 @@ def _ranks_exited(workdir: Path, oom_kills_then: int | None) -> TrialSpec:
 def test_a_sigkilled_rank_is_an_oom_only_when_the_kernel_counted_a_kill(tmp_path, kills, status, says):
     result = classify(_ranks_exited(tmp_path, kills), tmp_path, 0, "exited")
     assert result.status == status and says in result.error and result.error.startswith("rank 1 ")
+
+
+def _node_exited(
+    workdir: Path, exits: list[tuple[int, int]], oom_kills_then: int, lost: list[int]
+) -> TrialResult:
+    """One node's part of a two-node trial, as its launcher leaves it, classified."""
+    workdir.mkdir()
+    records = [{"rank": r, "returncode": rc, "t": float(i)} for i, (r, rc) in enumerate(exits)]
+    (workdir / "exits.json").write_text(json.dumps({"exits": records, "oom_kills": oom_kills_then}))
+    for r in lost:
+        (workdir / f"rank{r}.error.json").write_text(
+            json.dumps({"status": ERROR, "error": "Connection closed by peer"})
+        )
+    spec = TrialSpec(recipe={}, config={}, family="cpu", workdir=str(workdir))
+    return classify(spec, workdir, 0, "exited", expect_result=False)
+
+
+def test_an_oom_kill_on_another_node_is_the_trials_cause(tmp_path):
+    """Node 1's rank 2 was killed by the OOM killer and its rank 3 lost the peer; on node 0, rank
+    0 lost the peer and rank 1, stuck in a collective, was ended by its launcher (SIGTERM). The
+    trial was an `error` blaming node 0's SIGTERMed rank: node order won, and within node 0 the
+    rank with no record came before the one that only lost a peer."""
+    from tuner.executors.ray_gang import Part, Trial, combine
+
+    node0 = _node_exited(tmp_path / "node0", [(0, 1), (1, -signal.SIGTERM)], 0, lost=[0])
+    node1 = _node_exited(tmp_path / "node1", [(2, -signal.SIGKILL), (3, 1)], 1, lost=[3])
+    assert node0.status == ERROR and "rank 0: Connection closed by peer" in node0.error
+    assert node1.status == OOM
+    spec = TrialSpec(recipe={}, config={}, family="cpu", workdir=str(tmp_path))
+    trial = Trial(spec=spec, resource="CPU", per_node=2, nnodes=2, submitted=0.0,
+                  parts=[Part(None, 0, result=node0), Part(None, 1, result=node1)])  # fmt: skip
+    result = combine(trial)
+    assert result.status == OOM
+    assert result.error.startswith("node 1 of 2: rank 2 was killed by the kernel's out-of-memory killer")

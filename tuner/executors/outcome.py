@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 from tuner.executors.session import signal_name
@@ -26,6 +27,18 @@ _PEER_LOST_TEXTS = (
 def _lost_a_peer(err: dict | None) -> bool:
     text = (err or {}).get("error") or ""
     return any(t in text for t in _PEER_LOST_TEXTS)
+
+
+def is_consequence(result: TrialResult) -> bool:
+    """Whether a failed part of a trial (a node's result) failed because another part did: its
+    first failed rank only lost a peer, or was ended by its launcher (`_consequence`)."""
+    return result.error_kind == signal.Signals.SIGTERM.name or _lost_a_peer({"error": result.error})
+
+
+def _consequence(err: dict | None, rc: int) -> bool:
+    """A rank that failed because another did: it lost a peer, or its launcher ended it (SIGTERM,
+    no error record: the launcher terminates the rest `FAIL_GRACE_S` after the first failure)."""
+    return _lost_a_peer(err) or (err is None and rc == -signal.SIGTERM)
 
 
 def read_json(path: Path) -> dict | None:
@@ -58,7 +71,7 @@ def classify(
     order = [(int(e["rank"]), int(e["returncode"])) for e in exits["exits"]]
     failed = [(r, rc) for r, rc in order if rc != 0]
     errors = {r: read_json(workdir / f"rank{r}.error.json") for r, _ in failed}
-    failed.sort(key=lambda f: _lost_a_peer(errors[f[0]]))  # stable: exit order within each kind
+    failed.sort(key=lambda f: _consequence(errors[f[0]], f[1]))  # stable: exit order within each kind
     if not failed and not expect_result:
         return TrialResult(status=OK)
     if not failed:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tuner.record.status import OK
+from tuner.executors.outcome import is_consequence
+from tuner.record.status import OK, OOM
 from tuner.result import TrialResult, TrialSpec
 
 
@@ -107,10 +108,13 @@ def unschedulable(
 
 def combine(trial: Trial) -> TrialResult:
     """One result for the whole trial: the first real failure of any node (a node that was only
-    cancelled because another failed is not the cause), else node 0's measurement, with where
-    every rank ran."""
+    cancelled, or only lost its peers, because another failed is not the cause), else node 0's
+    measurement, with where every rank ran."""
     failures = [p for p in trial.parts if p.result is not None and p.result.status != OK]
     real = [p for p in failures if p.result.error_kind != "cancelled"] or failures
+    # As within a node (`outcome.classify`): an out-of-memory first, then a node that failed on
+    # its own before one that only lost its peers or was ended by its launcher; node order within.
+    real.sort(key=lambda p: (p.result.status != OOM, is_consequence(p.result)))
     if real:
         cause = real[0]
         result = cause.result
