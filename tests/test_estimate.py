@@ -380,3 +380,57 @@ def test_an_hf_model_with_its_own_head_dim_is_counted_with_it(monkeypatch):
             model.loss(model(tokens), tokens).backward()
         expected = est(Config(recompute=mode), rec).hardware_flops_per_step
         assert counter.get_total_flops() == pytest.approx(expected), mode
+
+
+def _mistral(window: int | None, seq_len: int = 1024, pattern: dict | None = None):
+    config = {"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "sliding_window": window}  # fmt: skip
+    return recipe_from_dict({"name": "w", "model": {"family": "hf", "seq_len": seq_len, "config": config | (pattern or {})},
+                             "train": {"global_batch_size": 1}})  # fmt: skip
+
+
+def _saved_by_one_layer(recipe, backend: str) -> int:
+    """Bytes of the tensors autograd saves for one decoder layer's backward (storages counted once)."""
+    from tuner.workload.model import build_model
+
+    decoder = build_model(recipe.model, backend, seed=0, device=torch.device("cpu"))
+    s = recipe.model.seq_len
+    x = decoder.embed_tokens(torch.randint(0, 256, (1, s))).detach().requires_grad_()
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    kind = decoder.layer_types[0]
+    rotary, masks = decoder._position_embeddings(x), decoder._masks(x)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        decoder.layers["0"](
+            x,
+            attention_mask=masks[kind],
+            position_ids=torch.arange(s)[None],
+            position_embeddings=rotary[kind],
+        )
+    return sum(storages.values())
+
+
+def test_a_fused_kernel_keeps_the_sliding_window_mask_and_the_estimate_counts_it():
+    """With an explicit mask (a window shorter than the sequence), SDPA's fused kernels keep it
+    as a float [batch, 1, seq, seq] tensor for backward, in every sliding layer: 4 MiB a layer at
+    1,024 tokens in fp32 here, about 2 GiB a layer at 32k tokens in bf16, which the estimate left out."""
+    from tuner.estimate import _layer_bytes
+    from tuner.models import family_of
+
+    config = Config(micro_batch_size=1, attention="flash")
+    measured = _saved_by_one_layer(_mistral(256), "flash") - _saved_by_one_layer(_mistral(None), "flash")
+    estimated = (
+        _layer_bytes(_mistral(256), config, CPU)["none"] - _layer_bytes(_mistral(None), config, CPU)["none"]
+    )
+    assert measured > 3 * 2**20 and abs(estimated - measured) / measured < 0.1, (estimated, measured)
+    # Only the sliding layers keep one: Gemma 3's pattern 2 slides every other layer.
+    gemma = recipe_from_dict({"name": "g", "model": {"family": "hf", "seq_len": 1024, "config": {
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 256,
+        "sliding_window": 256, "sliding_window_pattern": 2}}})  # fmt: skip
+    assert family_of(gemma.model).masked_share(gemma.model) == 0.5
+    assert family_of(_mistral(1024).model).masked_share(_mistral(1024).model) == 0.0  # within the window

@@ -238,6 +238,8 @@ def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str
     seq = c.tp if (c.sequence_parallel and c.tp > 1) else 1
     attn = _attention_matrix(c.attention, b, heads, s, comp, device.family, bsh // c.tp)
     family = family_of(m)
+    if c.attention != "math":  # a fused kernel's backward keeps an explicit mask (the math term has it)
+        attn += int(family.masked_share(m) * b * s * s * comp)
     if family.rms_norm(m):
         norms = 2 * 2 * bsh * 4 // seq  # input and normalised input, fp32, of both RMSNorms
         kept = 2 * bsh * comp  # what selective keeps of the attention's inputs and output

@@ -97,7 +97,13 @@ class ModelFamily:
     def masked_attention(self, m: ModelSpec) -> bool:
         """Whether some attention layer takes an explicit mask at the recipe's sequence length
         (a sliding window shorter than it) rather than running plain causal."""
-        return False
+        return self.masked_share(m) > 0
+
+    def masked_share(self, m: ModelSpec) -> float:
+        """The share of the attention layers that take an explicit mask at the recipe's sequence
+        length (`masked_attention`); a fused kernel's backward keeps that mask, in the compute
+        dtype, for each of them."""
+        return 0.0
 
     def rms_norm(self, m: ModelSpec) -> bool:
         """Whether the blocks normalise with RMSNorm (which saves fp32 copies of its input and

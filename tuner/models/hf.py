@@ -309,8 +309,12 @@ class HFFamily(ModelFamily):
             return 2.0 * self.block_matmul_params(m) + 4.0 * m.heads * self.head_dim(m) * m.seq_len
         return super().recomputed_flops_per_token(m, recompute)
 
-    def masked_attention(self, m: ModelSpec) -> bool:
-        return sliding_mask(hf_config(m), m.seq_len)
+    def masked_share(self, m: ModelSpec) -> float:
+        cfg = hf_config(m)
+        if not sliding_mask(cfg, m.seq_len):
+            return 0.0
+        kinds = layer_types(cfg)
+        return kinds.count("sliding_attention") / len(kinds)
 
     def head_dim(self, m: ModelSpec) -> int:
         return int(_attr(hf_config(m), "head_dim") or super().head_dim(m))
