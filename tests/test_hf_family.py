@@ -133,6 +133,19 @@ def test_supported_types_are_decoder_only():
     assert not {"bert", "t5", "bart", "gpt2"} & set(types)
 
 
+def test_a_model_transformers_runs_with_eager_attention_only_is_neither_listed_nor_taken():
+    """Gemma 2 and gpt-oss were listed by `tuner models` and then refused with transformers' advice
+    to pass attn_implementation="eager", a key the tuner refuses."""
+    from tuner.models.catalog import models_catalog
+
+    (hf,) = [f for f in models_catalog()["families"] if f["name"] == "hf"]
+    assert "llama" in hf["model_types"] and not {"gemma2", "gpt_oss"} & set(hf["model_types"])
+    with pytest.raises(RecipeError) as err:
+        _recipe({"model_type": "gemma2", "head_dim": 16} | SMALL)
+    assert err.value.problems == [("model.config.model_type", "transformers runs gemma2 with eager attention "
+                                   "only, and the tuner drives SDPA's kernels; this model_type is not supported")]  # fmt: skip
+
+
 def test_splits_the_model_cannot_run_are_infeasible_with_the_reason():
     recipe = _recipe(CONFIGS["qwen2"])
     assert shape_reasons(Config.from_params({"tp": 2}), recipe) == []

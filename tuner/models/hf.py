@@ -69,6 +69,19 @@ def supported_types() -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
+@functools.cache
+def runs_sdpa(model_type: str) -> bool:
+    """Whether transformers' causal LM of `model_type` runs its attention through SDPA, the kernels
+    the tuner chooses between (a few run eager attention only: Gemma 2, gpt-oss, ...). Imports
+    that one model's module."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[_config_class(model_type)], "_supports_sdpa", False))
+    except (KeyError, ImportError, AttributeError):
+        return False
+
+
 def _config_class(model_type: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -113,6 +126,14 @@ def config_problems(config: Any, where: str = "model.config") -> list[tuple[str,
                 f"{model_type!r} is not a supported decoder-only model_type; "
                 f"use one of {', '.join(supported)}",
             )  # fmt: skip
+        ]
+    if not runs_sdpa(model_type):
+        return out + [
+            (
+                f"{where}.model_type",
+                f"transformers runs {model_type} with eager attention only, and the tuner drives SDPA's "
+                "kernels; this model_type is not supported",
+            )
         ]
     declared = _declared(_config_class(model_type))
     for key in config:
