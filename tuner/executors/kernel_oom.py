@@ -4,8 +4,8 @@ leaves no error record, so the only sign is the kernel's own count of its kills.
 The count is read where it is narrowest: this process's memory cgroup (`tuner.cgroup`; v2
 `memory.events`, v1 `memory.oom_control`: kills of processes in the cgroup the launcher and its
 ranks share, whether the cgroup's limit or the machine ran out), else the machine's (`oom_kill`
-in /proc/vmstat, Linux 4.13 and later), where a kill elsewhere on the machine while a rank died by SIGKILL for
-another reason would be taken for this trial's."""
+in /proc/vmstat, Linux 4.13 and later), where a kill elsewhere on the machine while a rank died
+by SIGKILL for another reason would be taken for this trial's."""
 
 from __future__ import annotations
 
