@@ -145,3 +145,16 @@ def test_show_reports_best_speedup_top_k_and_cost(tmp_path, monkeypatch):
         and "of device time" in text
     )
     assert "top 2 configs" in text
+
+
+def test_show_reads_the_database_only_and_makes_none(tmp_path, monkeypatch):
+    """Its help says it reads the database only; with no tuner.db here it created an empty one."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)
+    recipe = write_recipe(tmp_path)
+    result = runner.invoke(app, ["show", recipe])
+    assert result.exit_code == 2 and "no study" in result.output and "run `tuner tune" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+    missing = tmp_path / "none.db"
+    result = runner.invoke(app, ["show", recipe, "--storage", f"sqlite:///{missing}"])
+    assert result.exit_code == 2 and "no study" in result.output and not missing.exists()

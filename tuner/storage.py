@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from typing import Any
@@ -24,7 +25,8 @@ def default_storage_url() -> str:
     return database_url()
 
 
-def _sqlite_path(url: str) -> str | None:
+def sqlite_path(url: str) -> str | None:
+    """The file of a SQLite URL; None for another database or an in-memory one."""
     path = sqlalchemy.engine.make_url(url).database
     return path if path and path != ":memory:" else None
 
@@ -88,7 +90,7 @@ def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
             return storage
         _refuse_another_programs(url)  # before anything changes in it (WAL mode is the file's)
         if url.startswith("sqlite"):
-            path = _sqlite_path(url)
+            path = sqlite_path(url)
             if path:
                 _enable_wal(path)
             engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": _SQLITE_BUSY_TIMEOUT_S}}
@@ -105,3 +107,9 @@ def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
             storage.engine.dispose()  # reconnect so every pooled connection gets the pragmas
         _storages[url] = storage
         return storage
+
+
+def missing_database(url: str) -> bool:
+    """Whether `url` is a SQLite file that does not exist (opening it would create it empty)."""
+    path = sqlite_path(url) if url.startswith("sqlite") else None
+    return bool(path) and not os.path.exists(path)

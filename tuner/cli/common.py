@@ -49,12 +49,17 @@ def load_recipe_or_exit(path: str):
     return recipe
 
 
-def storage_or_exit(url: str | None) -> str:
-    """`--storage URL` (default: the settings' database), made absolute and checked to open."""
+def storage_or_exit(url: str | None, create: bool = True) -> str:
+    """`--storage URL` (default: the settings' database), made absolute and checked to open.
+    `create=False` (a command that only reads): a SQLite file that does not exist in a folder that
+    does is left so, not opened (the caller finds nothing in it: `storage.missing_database`); a
+    folder that does not exist is refused as before, naming --storage (a mistyped path)."""
     from tuner.settings import absolute_database_url, database_url
-    from tuner.storage import get_storage
+    from tuner.storage import get_storage, missing_database, sqlite_path
 
     url = absolute_database_url(url) if url else database_url()
+    if not create and missing_database(url) and Path(sqlite_path(url) or "").parent.is_dir():
+        return url
     try:
         get_storage(url)
     except ValueError as err:

@@ -179,13 +179,16 @@ def show(
     recipe = load_recipe_or_exit(recipe_path)
     if top < 1:
         fail(f"--top: must be at least 1, got {top}")
-    url = storage_or_exit(storage)
+    url = storage_or_exit(storage, create=False)  # it reads the database only: never makes one
+    from tuner.storage import missing_database
     from tuner.study import study_name
     from tuner.summary import summarize
 
     if study is None:
         study = study_name(recipe, described_or_exit(recipe, executor)[0].fingerprint)
     try:
+        if missing_database(url):
+            raise KeyError(study)
         summary = summarize(study, url, top_k=top)
     except KeyError:
         fail(f"no study {study!r} in {url}; run `tuner tune {recipe_path}` first (or pass --storage/--study)")
