@@ -424,8 +424,11 @@ def test_what_still_works_in_a_cancelled_trials_directory_is_ended(tmp_path):
         assert trial.wait(timeout=5) == -signal.SIGKILL
         assert pids_in(str(tmp_path)) == [] and shell.poll() is None and outside.poll() is None
     finally:
+        for p in (trial, shell):  # their sessions: the stand-in's child, the shell's tail
+            with contextlib.suppress(ProcessLookupError):  # already gone
+                os.killpg(p.pid, signal.SIGKILL)
+        outside.kill()
         for p in (trial, shell, outside):
-            os.killpg(p.pid, signal.SIGKILL) if p is not outside else p.kill()
             p.wait()
 
 
