@@ -341,7 +341,7 @@ def recipe_space_problems(
         if problem is None:
             return []
         misfits.append(problem)
-    if misfits:  # every space loaded, and the model fits none (with `auto`: whichever machine runs it)
+    if misfits:  # no space that loaded fits the model (with `auto`: whichever machine runs it)
         return [misfits[0].pair()]
     if not errors:
         return []

@@ -49,6 +49,12 @@ def load_recipe_or_exit(path: str):
     return recipe
 
 
+def at_least_one_or_exit(option: str, value: int | None) -> None:
+    """A count option (`--top`, `--patience`): None (not given) or at least 1."""
+    if value is not None and value < 1:
+        fail(f"{option}: must be at least 1, got {value}")
+
+
 def storage_or_exit(url: str | None, create: bool = True) -> str:
     """`--storage URL` (default: the settings' database), made absolute and checked to open.
     `create=False` (a command that only reads): a SQLite file that does not exist in a folder that

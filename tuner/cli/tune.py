@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 from tuner.cli.common import (
     LEGACY_TIMEOUT,
+    at_least_one_or_exit,
     described_or_exit,
     err_console,
     executor_name_or_exit,
@@ -103,14 +104,12 @@ def tune(
     recipe = load_recipe_or_exit(recipe_path)
     if trials is not None and not 1 <= trials <= MAX_TRIALS:
         fail(f"--trials: must be from 1 to {MAX_TRIALS:,}, got {trials:,}")
-    if top < 1:
-        fail(f"--top: must be at least 1, got {top}")
+    at_least_one_or_exit("--top", top)
     if timeout_min is not None and (not math.isfinite(timeout_min) or timeout_min <= 0):  # NaN too
         fail(
             f"--timeout-min: must be a positive number of minutes, got {timeout_min:g}; e.g. --timeout-min 30"
         )
-    if patience is not None and patience < 1:
-        fail(f"--patience: must be at least 1, got {patience}")
+    at_least_one_or_exit("--patience", patience)
     if remeasure < 0:
         fail(f"--remeasure: must be 0 or more, got {remeasure}")
     if sampler is not None and sampler not in SAMPLERS:
@@ -177,8 +176,7 @@ def show(
     as_json: bool = typer.Option(False, "--json", help="Print the study summary as JSON on stdout."),
 ) -> None:
     recipe = load_recipe_or_exit(recipe_path)
-    if top < 1:
-        fail(f"--top: must be at least 1, got {top}")
+    at_least_one_or_exit("--top", top)
     url = storage_or_exit(storage, create=False)  # it reads the database only: never makes one
     from tuner.storage import missing_database
     from tuner.study import study_name

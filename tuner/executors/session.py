@@ -49,19 +49,19 @@ def session_pids(sid: int) -> list[int]:
 # In a trial's directory (a node part's, on Ray): the session its launcher leads, written before
 # it starts a rank (`record_session`). The latest launch's only: an earlier launch's session was
 # ended with it, and its number may since lead somebody else's.
-SESSIONS_FILE = "session"
+SESSION_FILE = "session"
 
 
 def record_session(workdir: Path) -> None:
     """Record the session this process leads (a trial's launcher, before its ranks start) in
     `workdir`, so that `pids_in` can tell the trial's processes from anyone else's."""
-    (workdir / SESSIONS_FILE).write_text(f"{os.getsid(0)}\n")
+    (workdir / SESSION_FILE).write_text(f"{os.getsid(0)}\n")
 
 
 def trial_sessions(directory: str) -> set[int]:
     """The sessions the trial's launchers recorded in `directory` or below it."""
     sids = set()
-    for path in Path(directory).rglob(SESSIONS_FILE):
+    for path in Path(directory).rglob(SESSION_FILE):
         with contextlib.suppress(OSError):
             sids.update(int(word) for word in path.read_text().split() if word.isdigit())
     return sids - {0}

@@ -30,7 +30,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 
 
 def models_catalog() -> dict[str, Any]:
-    from tuner.models.hf import runs_sdpa, supported_types
+    from tuner.models.hf import listed_types
 
     families = []
     for name, family in _REGISTRY.items():
@@ -40,7 +40,7 @@ def models_catalog() -> dict[str, Any]:
             "fields": list(family.fields),
         }
         if name == "hf":
-            entry["model_types"] = [t for t in supported_types() if runs_sdpa(t)]
+            entry["model_types"] = list(listed_types())
         if name in EXAMPLES:
             entry["example"] = EXAMPLES[name]
         families.append(entry)

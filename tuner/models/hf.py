@@ -70,6 +70,14 @@ def supported_types() -> tuple[str, ...]:
 
 
 @functools.cache
+def listed_types() -> tuple[str, ...]:
+    """The model types the tuner takes: `supported_types` that run SDPA attention (`runs_sdpa`).
+    What `tuner models` lists and a wrong model_type is told to choose from; it imports every
+    one's modeling module (about 1.6 s), so a recipe's own check asks `runs_sdpa` of its type only."""
+    return tuple(t for t in supported_types() if runs_sdpa(t))
+
+
+@functools.cache
 def runs_sdpa(model_type: str) -> bool:
     """Whether transformers' causal LM of `model_type` runs its attention through SDPA, the kernels
     the tuner chooses between (a few run eager attention only: Gemma 2, gpt-oss, ...). Imports
@@ -118,13 +126,12 @@ def config_problems(config: Any, where: str = "model.config") -> list[tuple[str,
     out: list[tuple[str, str]] = []
     plain_problems({k: v for k, v in config.items() if k != "model_type"}, where, out)
     model_type = config.get("model_type")
-    supported = supported_types()
-    if model_type not in supported:
+    if model_type not in supported_types():
         return out + [
             (
                 f"{where}.model_type",
                 f"{model_type!r} is not a supported decoder-only model_type; "
-                f"use one of {', '.join(supported)}",
+                f"use one of {', '.join(listed_types())}",
             )  # fmt: skip
         ]
     if not runs_sdpa(model_type):
