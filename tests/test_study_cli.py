@@ -158,3 +158,17 @@ def test_show_reads_the_database_only_and_makes_none(tmp_path, monkeypatch):
     missing = tmp_path / "none.db"
     result = runner.invoke(app, ["show", recipe, "--storage", f"sqlite:///{missing}"])
     assert result.exit_code == 2 and "no study" in result.output and not missing.exists()
+
+
+def test_plan_reads_the_database_only_and_makes_none(tmp_path, monkeypatch):
+    """A plan spends nothing and stores nothing: with no database yet it planned from the priors
+    and left an empty tuner.db behind (at the default path or a --storage one)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)
+    recipe = write_recipe(tmp_path)
+    result = runner.invoke(app, ["plan", recipe, "--top", "2"])
+    assert result.exit_code == 0 and "configs ranked; device-table priors only" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+    missing = tmp_path / "none.db"
+    result = runner.invoke(app, ["plan", recipe, "--top", "2", "--storage", f"sqlite:///{missing}"])
+    assert result.exit_code == 0 and not missing.exists()

@@ -80,7 +80,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
 ) -> None:
     recipe = load_recipe_or_exit(recipe_path)
-    url = storage_or_exit(storage)
+    url = storage_or_exit(storage, create=False)  # a plan reads trials; it stores none
     from tuner.perf.plan import make_plan
 
     executor_name_or_exit(executor)

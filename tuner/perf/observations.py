@@ -130,8 +130,10 @@ def fingerprint_observations(
 
     from tuner.db import session_scope
     from tuner.record.reader import study_attrs_of_all
-    from tuner.storage import get_storage
+    from tuner.storage import get_storage, missing_database
 
+    if missing_database(url):  # nothing measured yet; reading does not create the file
+        return []
     storage = get_storage(url)  # creates Optuna's tables in a new database: then no studies
     with session_scope(url) as session:
         studies = study_attrs_of_all(session, (keys.RECIPE, keys.FINGERPRINT_HASH))
