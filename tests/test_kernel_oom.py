@@ -139,6 +139,41 @@ def test_a_rank_the_kernels_oom_killer_ends_is_an_oom_with_the_fix(tmp_path):
     assert "micro_batch_size" in doc["error"]
 
 
+def test_a_loader_worker_the_kernels_oom_killer_ends_is_an_oom(tmp_path):
+    """The killer took a rank's data-loader worker, not the rank: the rank reported "DataLoader
+    worker ... exited unexpectedly" and the trial was an `error` the memory model never saw."""
+    if oom_kills() is None:
+        pytest.skip("the kernel's oom_kill count is not readable here")
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    env = {**os.environ, "TUNER_TEST_FAULT": "loader-alloc:3000"}
+    command = ["measure", "tiny.yaml", "--set", "loader_workers=1", "--json"]
+    with memory_cgroup(1200 * 2**20) as group:
+        run = subprocess.run(
+            ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+            + [sys.executable, "-m", "tuner.cli.main", *command],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    doc = json.loads(run.stdout)
+    assert run.returncode == 1 and doc["status"] == OOM, doc["error"]
+    assert "a process it started was killed, and the kernel's out-of-memory killer" in doc["error"]
+    assert "DataLoader worker" in doc["error"] and "loader_workers" in doc["error"]
+
+
+def test_a_loader_worker_killed_without_the_oom_killer_stays_an_error(tmp_path):
+    exits = [{"rank": 0, "returncode": 1, "t": 1.0}]
+    (tmp_path / "exits.json").write_text(json.dumps({"exits": exits, "oom_kills": 0}))
+    text = "DataLoader worker (pid(s) 4242) exited unexpectedly"
+    (tmp_path / "rank0.error.json").write_text(json.dumps({"status": ERROR, "error": text}))
+    result = classify(
+        TrialSpec(recipe={}, config={}, family="cpu", workdir=str(tmp_path)), tmp_path, 1, "exited"
+    )
+    assert result.status == ERROR and result.error == f"rank 0: {text}"
+
+
 def _ranks_exited(workdir: Path, oom_kills_then: int | None) -> TrialSpec:
     exits = [{"rank": 1, "returncode": -9, "t": 1.0}, {"rank": 0, "returncode": 1, "t": 1.5}]
     (workdir / "exits.json").write_text(json.dumps({"exits": exits, "oom_kills": oom_kills_then}))

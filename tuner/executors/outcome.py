@@ -24,6 +24,20 @@ _PEER_LOST_TEXTS = (
 )
 
 
+# What a rank reports when a process it started (a data-loader worker, a compile worker) died by
+# a signal: with the kernel's OOM killer counting a kill meanwhile, that is where it struck.
+_CHILD_KILLED_TEXTS = (
+    "is killed by signal: Killed",  # DataLoader, SIGKILL
+    "exited unexpectedly",  # DataLoader, any worker death
+    "terminated abruptly",  # concurrent.futures' BrokenProcessPool (Inductor's compile workers)
+)
+_OOM_KILLER_FIX = (
+    "the machine, or the memory limit of the container the trial runs in, ran out; lower "
+    "micro_batch_size or loader_workers, enable recompute or set hardware.memory_budget_gb below "
+    "that memory"
+)
+
+
 def _lost_a_peer(err: dict | None) -> bool:
     text = (err or {}).get("error") or ""
     return any(t in text for t in _PEER_LOST_TEXTS)
@@ -91,6 +105,14 @@ def classify(
             return _failed_result(OOM, r, err)
     rank, rc = failed[0]
     err = errors.get(rank)
+    if err and _child_oom_killed(err, exits.get("oom_kills")):
+        return TrialResult(
+            status=OOM,
+            error_kind="oom_killer",
+            error=f"rank {rank}: a process it started was killed, and the kernel's out-of-memory killer "
+            f"killed {exits['oom_kills']} process(es) while the trial ran: {_OOM_KILLER_FIX} "
+            f"({err.get('error', '')[:300]})",
+        )
     if err:
         return _failed_result(err.get("status", ERROR), rank, err)
     if rc < 0:
@@ -113,9 +135,7 @@ def _killed(rank: int, name: str, oom_kills: int | None) -> TrialResult:
             status=OOM,
             error_kind="oom_killer",
             error=f"rank {rank} was killed by the kernel's out-of-memory killer (it killed {oom_kills} "
-            "process(es) while the trial ran): the machine, or the memory limit of the container the "
-            "trial runs in, ran out; lower micro_batch_size, enable recompute or set "
-            "hardware.memory_budget_gb below that memory",
+            f"process(es) while the trial ran): {_OOM_KILLER_FIX}",
         )
     hint = ""
     if name == "SIGKILL":
@@ -123,6 +143,13 @@ def _killed(rank: int, name: str, oom_kills: int | None) -> TrialResult:
             " (not the kernel's out-of-memory killer, by its count)" if oom_kills == 0 else " (check `dmesg`)"
         )
     return TrialResult(status=ERROR, error_kind=name, error=f"rank {rank} was killed by {name}{hint}")
+
+
+def _child_oom_killed(err: dict, oom_kills: int | None) -> bool:
+    """Whether a rank's error record says a process it started died, while the kernel's OOM
+    killer counted kills: the rank itself survived to report it, its worker did not."""
+    text = err.get("error") or ""
+    return bool(oom_kills) and err.get("status") != OOM and any(t in text for t in _CHILD_KILLED_TEXTS)
 
 
 def _timed_out(spec: TrialSpec, workdir: Path) -> TrialResult:

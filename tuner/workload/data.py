@@ -4,6 +4,7 @@ config sees the same global batches and its losses are comparable."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -59,4 +60,16 @@ def make_loader(
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
         drop_last=True,
+        worker_init_fn=_test_fault_in_worker,
     )
+
+
+_held: list[torch.Tensor] = []
+
+
+def _test_fault_in_worker(_worker: int) -> None:
+    """The test hook `TUNER_TEST_FAULT=loader-alloc:<MiB>` (`tuner.workload.run`): each loader
+    worker allocates and holds that many MiB, as a loader that leaks into its workers does."""
+    kind = os.environ.get("TUNER_TEST_FAULT", "")
+    if kind.startswith("loader-alloc:"):
+        _held.append(torch.ones(int(kind.split(":", 1)[1]) * 2**20, dtype=torch.uint8))

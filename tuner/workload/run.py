@@ -11,6 +11,8 @@ them to make a trial slow or fail on purpose):
 - `TUNER_TEST_FAULT=raise|hang|segfault|alloc:<MiB>`: in the first step, raise a RuntimeError,
   sleep forever, die of SIGSEGV, or allocate and hold that many MiB (trips the memory budget).
 - `TUNER_TEST_FAULT_RANK=<rank>`: the rank the fault hits (default 0).
+- `TUNER_TEST_FAULT=loader-alloc:<MiB>`: every data-loader worker (`loader_workers` > 0) of every
+  rank allocates and holds that many MiB when it starts (`tuner.workload.data`).
 
 Measurement hook:
 - `TUNER_HOST_MEMORY=exact`: on CPU, freed memory leaves the process at once for the whole trial,
@@ -95,7 +97,7 @@ class Fault:
         jitter = self._random.expovariate(1 / self.jitter_s) if self.jitter_s else 0.0
         if self.delay_s or jitter:
             time.sleep(self.delay_s + jitter)
-        if step != 0 or not self.kind:
+        if step != 0 or not self.kind or self.kind.startswith("loader-alloc:"):
             return
         if self.kind == "raise":
             raise RuntimeError("TUNER_TEST_FAULT=raise: injected failure")
@@ -111,7 +113,9 @@ class Fault:
             # (not empty) so every host page is really touched.
             self.held = torch.ones(mib * 2**20, dtype=torch.uint8, device=self.device)
             return
-        raise ValueError(f"TUNER_TEST_FAULT={self.kind!r}: use raise, hang, segfault or alloc:<MiB>")
+        raise ValueError(
+            f"TUNER_TEST_FAULT={self.kind!r}: use raise, hang, segfault, alloc:<MiB> or loader-alloc:<MiB>"
+        )
 
 
 def _mib(n: int) -> str:
