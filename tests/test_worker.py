@@ -436,3 +436,69 @@ def test_a_job_counts_the_trials_it_found_and_reuse_false_gets_a_study_of_its_ow
     assert names[1] == f"{names[0]}-job{fresh}"
     with session_scope(sqlite_url) as s:
         assert s.get(Job, fresh).study_name == names[1]
+
+
+def test_a_progress_event_the_database_refuses_is_lost_not_the_job(sqlite_url, monkeypatch):
+    """A lock held past SQLite's busy timeout (or PostgreSQL restarting) during one progress write
+    failed the whole study: the job ended `failed` after its trials had all run."""
+    from sqlalchemy.exc import OperationalError
+
+    from tuner.worker import job as job_module
+
+    monkeypatch.setattr("tuner.study.run_study", _study(None))
+    monkeypatch.setattr(JobRun, "_build", lambda *_a: BuildOutcome(error="no build in this test"))
+    real, writes = job_module.add_event, []
+
+    def flaky(s, job_id, kind, payload):
+        writes.append(kind)
+        if len(writes) == 3:
+            raise OperationalError("INSERT INTO job_events", {}, Exception("database is locked"))
+        return real(s, job_id, kind, payload)
+
+    monkeypatch.setattr(job_module, "add_event", flaky)
+    job_id = _queue(sqlite_url)[0]
+    _worker(sqlite_url).run_once()
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        assert (job.state, job.trials_done, job.best_tokens_per_s) == ("succeeded", 4, 150.0)
+    kinds = [e.kind for e in _events(sqlite_url, job_id)]
+    assert kinds[0] == "state" and kinds[1:] == writes[:2] + writes[3:]  # only the refused one is lost
+
+
+def test_a_cancel_while_the_winner_is_built_ends_the_job_cancelled_with_its_build(sqlite_url, monkeypatch):
+    """No executor cancel stops a local build: the job ended `succeeded` after the API said 202."""
+    monkeypatch.setattr("tuner.study.run_study", _study(None))
+    job_id = _queue(sqlite_url)[0]
+
+    def slow_build(run, *_a):
+        with session_scope(sqlite_url) as s:
+            s.get(Job, job_id).cancel_requested = True  # POST /v1/jobs/{id}/cancel, mid-build
+        assert run.cancelled.wait(10)  # the heartbeat saw it
+        return BuildOutcome(trial=0, path="/builds/w/0.tar.gz", sha256="ab" * 32, size_bytes=10)
+
+    monkeypatch.setattr(JobRun, "_build", slow_build)
+    _worker(sqlite_url).run_once()
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        assert job.state == "cancelled" and job.best_tokens_per_s == 150.0
+    kinds = [e.kind for e in _events(sqlite_url, job_id)]
+    assert "build" in kinds and kinds[-1] == "done"
+
+
+def test_a_cancel_the_worker_had_not_seen_when_it_shut_down_ends_the_job_cancelled(sqlite_url, monkeypatch):
+    """SIGTERM between POST /cancel and the next heartbeat handed the job back to the queue, where
+    another worker claimed it and started it again."""
+    monkeypatch.setattr("tuner.study.run_study", _study(trials_before_stop=1))
+    job_id = _queue(sqlite_url)[0]
+    settings = WorkerSettings(database_url=sqlite_url, heartbeat_s=30, artifact_dir="unused")
+    worker = Worker(settings, executor=_Executor())  # no heartbeat sees the cancel in this test
+    runner = threading.Thread(target=worker.run_once)
+    runner.start()
+    time.sleep(0.5)
+    with session_scope(sqlite_url) as s:
+        s.get(Job, job_id).cancel_requested = True
+    worker.shutdown.set()
+    runner.join(10)
+    with session_scope(sqlite_url) as s:
+        assert s.get(Job, job_id).state == "cancelled"
+    assert claim_job(sqlite_url, "another:1:x") is None

@@ -76,9 +76,21 @@ class JobRun:
             if self.should_stop() and not stopped_trials:
                 # Stop the trials in flight now rather than after they finish on their own.
                 stopped_trials = True
-                self.worker.executor.cancel()
+                try:
+                    self.worker.executor.cancel()
+                except Exception as err:  # noqa: BLE001 - the beat must go on, or the job looks dead
+                    log.warning("job %s: stopping its trials failed: %s", self.job_id, err)
 
     def _on_progress(self, event: dict[str, Any]) -> None:
+        """Record a driver event. Best effort, as the heartbeat: a write the database refuses for a
+        moment (a restart, a lock held past the busy timeout) loses that one event, not the job;
+        the job's final row is written from the summary either way."""
+        try:
+            self._record_progress(event)
+        except (DatabaseError, SQLAlchemyError) as err:
+            log.warning("job %s: could not record a %s event: %s", self.job_id, event.get("event"), err)
+
+    def _record_progress(self, event: dict[str, Any]) -> None:
         kind = str(event.get("event", "progress"))
         if kind == "done":
             # The job's own `done` comes after the build; SSE clients stop at the first `done`.
@@ -166,7 +178,12 @@ class JobRun:
                 summary,
                 build=BuildOutcome(error="builds are turned off on this service (TUNER_BUILD=false)"),
             )
-        return Outcome("succeeded", summary, build=self._build(recipe, name, summary.best.trial))
+        build = self._build(recipe, name, summary.best.trial)
+        # A cancel asked for while the winner was built (which no executor cancel stops) is a
+        # cancel still: the job ends cancelled, with the build it finished.
+        if self.cancelled.is_set() or self.lost.is_set():
+            return Outcome("lost" if self.lost.is_set() else "cancelled", summary, build=build)
+        return Outcome("succeeded", summary, build=build)
 
     def _stopped(self) -> Outcome | None:
         """Why the study stopped early, when it was asked to: taken over, shut down or cancelled."""
@@ -232,6 +249,9 @@ class JobRun:
             if job is None or job.worker_id != self.worker.worker_id or job.state in FINAL_STATES:
                 return job.state if job is not None else state
             job.updated_at = utcnow()
+            if state == "queued" and job.cancel_requested:
+                # Shut down after a cancel this worker had not yet seen: the cancel wins.
+                state = outcome.state = "cancelled"
             if state == "queued":
                 # Graceful shutdown: hand the job back without spending one of its attempts.
                 job.state, job.worker_id, job.attempts = "queued", None, max(0, job.attempts - 1)
