@@ -356,6 +356,38 @@ def test_patience_and_should_stop_end_the_study_early(tune):
     assert all(e["total"] == 100 for e in events)
 
 
+def test_patience_counts_from_the_rankings_best_not_a_faster_trial_it_refuses():
+    """A fast config whose loss drifted 50% (it can never win) was taken as the best, so three
+    trials that each beat the real best still stopped the study for want of progress."""
+    from types import SimpleNamespace
+
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import create_trial
+
+    from tuner.study.driver import Driver
+
+    def trial(number: int, amp: str, tps: float, loss: float):
+        t = create_trial(
+            state=TrialState.COMPLETE, value=tps, params={"amp": amp},
+            distributions={"amp": CategoricalDistribution(["O0", "O1"])},
+            user_attrs={"status": "ok", "tokens_per_s": tps, "losses": [loss, loss]},
+        )  # fmt: skip
+        t.number = number
+        return t
+
+    trials = [trial(0, "O0", 100.0, 1.0), trial(1, "O1", 300.0, 1.5)]
+    trials += [trial(n, "O0", tps, 1.0) for n, tps in ((2, 150.0), (3, 160.0), (4, 170.0))]
+    driver = SimpleNamespace(
+        budget=SimpleNamespace(patience=3), finished=trials, done=len(trials), _ranked_at=None,
+        study=SimpleNamespace(user_attrs={}), family="cpu",
+    )  # fmt: skip
+    Driver._rank(driver, trials)
+    assert (driver.best_number, driver.best) == (4, 170.0)
+    assert not Driver._stagnant(driver)
+    driver.finished = trials + [trial(n, "O0", 120.0, 1.0) for n in (5, 6, 7)]
+    assert Driver._stagnant(driver)
+
+
 def test_failed_trials_keep_their_error_and_the_loop_goes_on(tune):
     ex = FakeExecutor(fail_on=lambda c: "oom" if c.micro_batch_size >= 4 else None)
     summary = tune(make_recipe("fail", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]}), ex, trials=6)

@@ -101,6 +101,7 @@ class Driver:
         self.priors = None  # the performance model's, once `open` knows them
         self.floor = OomFloor()  # what ran out of memory bounds the configs estimated larger
         self.best: float | None = None
+        self.best_number: int | None = None  # the ranking's best trial, with self.best
         self.run_noise: float | None = None  # the ranking's run-to-run noise, with self.best
         self._ranked_at: tuple[int, int] | None = None  # (finished trials, study attrs) last ranked
         self._grid: list[Config] | None = None
@@ -201,18 +202,15 @@ class Driver:
         again = keys.per_trial(attrs, keys.REMEASURED_PREFIX)
         ranking = rank_trials([from_frozen(t) for t in trials if t.state.is_finished()], again, self.family)
         self.best = ranking.best.tokens_per_s if ranking.best else None
+        self.best_number = ranking.best.trial if ranking.best else None
         self.run_noise = ranking.run_noise
 
     def _stagnant(self) -> bool:
+        """Whether `patience` trials finished since the best (the ranking's: a faster trial whose
+        loss drifted or whose memory is over the budget is not one) appeared."""
         if not self.budget.patience:
             return False
-        best, since = -math.inf, 0
-        for t in sorted(self.finished, key=lambda t: t.number):
-            tps = t.user_attrs.get(keys.TOKENS_PER_S) if t.state == TrialState.COMPLETE else None
-            if tps is not None and tps > best:
-                best, since = tps, 0
-            else:
-                since += 1
+        since = sum(1 for t in self.finished if self.best_number is None or t.number > self.best_number)
         return since >= self.budget.patience
 
     def _next_grid_config(self, trials: list[FrozenTrial]) -> bool:
