@@ -647,3 +647,49 @@ def test_one_executor_serves_the_whole_pass_and_each_recipe_still_fails_on_its_o
     text = " ".join(out.split())
     assert code == 1 and made == ["local"]
     assert "big: FAILED (hardware.devices is 64" in text and "bigger: FAILED (hardware.devices is 128" in text
+
+
+def _flaky_service(job_states: list[str], failures: dict[int, int], calls: list[str]):
+    """A stand-in service: GET /v1/jobs/1 walks through `job_states`; the Nth call (by number)
+    answers `failures[N]` (an HTTP status) instead."""
+    import httpx
+
+    def service(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path}")
+        if len(calls) in failures:
+            return httpx.Response(failures[len(calls)], json={"detail": "upstream restarting"})
+        job = {"id": 1, "trials_done": 2, "trials_total": 2, "study_name": "s-1"}
+        if request.method == "POST" and request.url.path == "/v1/jobs":
+            return httpx.Response(201, json={**job, "state": "queued"})
+        if request.url.path.endswith("/cancel"):
+            return httpx.Response(202, json={**job, "state": "cancelled"})
+        if request.url.path.endswith("/best"):
+            return httpx.Response(200, json={"tokens_per_s": 900.0, "config": {"micro_batch_size": 4}})
+        polls = sum(c == "GET /v1/jobs/1" for c in calls)
+        return httpx.Response(200, json={**job, "state": job_states[min(polls, len(job_states)) - 1]})
+
+    return service
+
+
+@pytest.mark.parametrize(("failures", "verdict"), [({3: 502, 4: 503}, "ok"), ({3: 404}, "failed")])
+def test_api_night_rides_out_a_service_restart_and_cancels_a_job_it_abandons(
+    db_url, monkeypatch, failures, verdict
+):
+    """One 502 while polling failed the night and left the job running on the service, unwatched."""
+    import httpx
+
+    calls: list[str] = []
+    service = _flaky_service(["running", "running", "succeeded"], failures, calls)
+    real_client = httpx.Client
+    monkeypatch.setattr(
+        httpx, "Client", lambda **kw: real_client(transport=httpx.MockTransport(service), **kw)
+    )
+    monkeypatch.setattr("time.sleep", lambda _s: None)
+    tune = nl.api_tuner("http://tuner:8000", "T", night=NIGHT1, trials=2, storage_url=db_url, poll_s=0.01)
+    out = nl.run_recipe(RECIPE, "r.yaml", night=NIGHT1, threshold=0.05, tune=tune, db_url=db_url)
+    if verdict == "ok":
+        assert out.verdict != "failed" and out.best_tokens_per_s == 900.0, out.error
+        assert "POST /v1/jobs/1/cancel" not in calls
+    else:
+        assert out.verdict == "failed" and "HTTP 404" in out.error
+        assert calls[-1] == "POST /v1/jobs/1/cancel"

@@ -3,6 +3,7 @@ through the REST service as a job. Both return a `Tonight` for `history.run_reci
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -166,7 +167,12 @@ API_GRACE_MIN = 60.0
 
 
 class ServiceError(RuntimeError):
-    """The tuning service refused a request or could not be reached."""
+    """The tuning service refused a request or could not be reached. `transient`: it could not be
+    reached, or answered that it is down for a moment (5xx, 429): worth asking again."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 def api_tuner(
@@ -212,12 +218,12 @@ def api_tuner(
             while job["state"] not in FINAL_STATES:
                 if time.monotonic() > deadline:
                     late = _give_up(client, job, allowed_min)
-                    job = _call(client, "GET", f"/v1/jobs/{job['id']}")
+                    job = _poll(client, job, deadline + 60, poll_s)
                     break
                 if progress:
                     progress(job["trials_done"], job["trials_total"])
                 time.sleep(poll_s)
-                job = _call(client, "GET", f"/v1/jobs/{job['id']}")
+                job = _poll(client, job, deadline, poll_s)
             fp = _study_fingerprint(job.get("study_name"), storage_url)
             fp_hash = _hash(fp) or (job.get("study_name") or "").removesuffix("-pareto").rsplit("-", 1)[-1]
             tonight = Tonight(None, None, fp, fp_hash, study_name=job.get("study_name"), job_id=job["id"])
@@ -239,6 +245,24 @@ def api_tuner(
             return tonight
 
     return tune
+
+
+def _poll(client: Any, job: dict[str, Any], deadline: float, poll_s: float) -> dict[str, Any]:
+    """The job as the service has it now. A service restarting or a proxy's 502 is asked again
+    until `deadline` (the night's own); a failure that persists, or a refusal (4xx), cancels the
+    job before the night fails, so no job goes on spending the service's devices unwatched."""
+    import time
+
+    while True:
+        try:
+            return _call(client, "GET", f"/v1/jobs/{job['id']}")
+        except ServiceError as err:
+            if err.transient and time.monotonic() < deadline:
+                time.sleep(max(poll_s, 1.0))
+                continue
+            with contextlib.suppress(ServiceError):
+                _call(client, "POST", f"/v1/jobs/{job['id']}/cancel")
+            raise
 
 
 def _give_up(client: Any, job: dict[str, Any], allowed_min: float) -> str:
@@ -277,7 +301,9 @@ def _call(client: Any, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
     try:
         resp = client.request(method, path, **kwargs)
     except httpx.HTTPError as err:
-        raise ServiceError(f"--api {client.base_url}: cannot reach the service ({err})") from None
+        raise ServiceError(
+            f"--api {client.base_url}: cannot reach the service ({err})", transient=True
+        ) from None
     if resp.status_code >= 400:
         try:
             body = resp.json()
@@ -286,7 +312,10 @@ def _call(client: Any, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         except ValueError:
             detail, fields = resp.text[:200], ""
         hint = " (check --token / $TUNER_API_TOKEN)" if resp.status_code in (401, 403) else ""
-        raise ServiceError(f"{method} {path}: HTTP {resp.status_code} {detail}{hint} {fields}".strip())
+        transient = resp.status_code >= 500 or resp.status_code == 429
+        raise ServiceError(
+            f"{method} {path}: HTTP {resp.status_code} {detail}{hint} {fields}".strip(), transient=transient
+        )
     return resp.json()
 
 
