@@ -77,8 +77,14 @@ def _events(url: str, job_id: int) -> list[JobEvent]:
         return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
 
 
+def _own_study(recipe=RECIPE) -> dict:
+    """`recipe` with `search.reuse: false`: each job measures in a study of its own."""
+    doc = recipe.to_dict()
+    return {**doc, "search": {**doc["search"], "reuse": False}}
+
+
 def test_each_queued_job_is_claimed_by_exactly_one_worker(db_url):
-    ids = _queue(db_url, 24)
+    ids = _queue(db_url, 24, recipe=_own_study())
     claimed: list[tuple[str, int]] = []
     lock = threading.Lock()
 
@@ -100,6 +106,19 @@ def test_each_queued_job_is_claimed_by_exactly_one_worker(db_url):
     assert {(r.worker_id, r.id) for r in rows} == set(claimed)
 
 
+def test_a_job_waits_while_another_job_drives_the_study_it_would_reuse(db_url):
+    """Two jobs of one recipe on two workers drove one study at once: past its trial budget, and
+    each overwrote the other's re-measurements (the winner's median)."""
+    first, second = _queue(db_url, 2)
+    own = _queue(db_url, recipe=_own_study())[0]
+    assert claim_job(db_url, "a:1:x") == first
+    assert claim_job(db_url, "b:1:x") == own  # its own study: it need not wait
+    assert claim_job(db_url, "b:1:x") is None  # the second waits for the first
+    with session_scope(db_url) as s:
+        s.get(Job, first).state = "succeeded"
+    assert claim_job(db_url, "b:1:x") == second
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
@@ -114,7 +133,7 @@ def test_jobs_of_dead_workers_are_requeued_or_failed_after_max_attempts(db_url):
     retry, give_up, live, remote = (
         _queue(db_url, state="running", worker_id=dead, attempts=1)[0],
         _queue(db_url, state="running", worker_id=dead, attempts=3)[0],
-        _queue(db_url, state="running", worker_id=alive, attempts=1)[0],
+        _queue(db_url, state="running", worker_id=alive, attempts=1, recipe=_own_study())[0],
         _queue(db_url, state="running", worker_id="other-host:1:x", attempts=1, updated_at=long_ago)[0],
     )
     changed = dict(recover_jobs(db_url, stale_after_s=30, max_attempts=3))

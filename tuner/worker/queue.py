@@ -22,6 +22,7 @@ HEARTBEAT_S = 2.0
 STALE_AFTER_S = 30.0
 MAX_ATTEMPTS = 3
 RETRY_S = 5.0  # after the database was unreachable
+CLAIM_WINDOW = 20  # queued jobs a claim looks at, oldest first (those waiting their study's turn skipped)
 
 
 def new_worker_id() -> str:
@@ -80,9 +81,24 @@ def recover_jobs(
     return changed
 
 
+def _shares_a_running_study(s, candidates: list[tuple[int, str, dict]]) -> set[int]:
+    """The candidates (id, recipe hash, recipe) that would drive a study another job is driving
+    now: a recipe that reuses its study (`search.reuse`, the default) names the same study as a
+    running job of the same recipe on the same kind of worker. Two drivers of one study overrun
+    its trial budget and overwrite each other's re-measurements, so the second waits its turn."""
+
+    def reuses(recipe: dict | None) -> bool:
+        return bool(((recipe or {}).get("search") or {}).get("reuse", True))
+
+    running = s.execute(select(Job.recipe_hash, Job.recipe).where(Job.state == "running")).all()
+    shared = {recipe_hash for recipe_hash, recipe in running if reuses(recipe)}
+    return {job_id for job_id, recipe_hash, recipe in candidates if recipe_hash in shared and reuses(recipe)}
+
+
 def claim_job(url: str | None, worker_id: str) -> int | None:
-    """Take the oldest queued job for this worker; None when there is none. Two workers never get
-    the same job: PostgreSQL skips rows another worker has locked, SQLite compares-and-sets."""
+    """Take the oldest queued job for this worker that no running job's study holds (see
+    `_shares_a_running_study`); None when there is none. Two workers never get the same job:
+    PostgreSQL skips rows another worker has locked, SQLite compares-and-sets."""
     now = utcnow()
     claimed = {
         "state": "running",
@@ -91,21 +107,22 @@ def claim_job(url: str | None, worker_id: str) -> int | None:
         "started_at": func.coalesce(Job.started_at, now),
         "updated_at": now,
     }
+    queued = select(Job.id, Job.recipe_hash, Job.recipe).where(Job.state == "queued").order_by(Job.id)
     with session_scope(url) as s:
+        job_id = None
         if s.bind.dialect.name == "postgresql":
-            job_id = s.scalar(
-                select(Job.id)
-                .where(Job.state == "queued")
-                .order_by(Job.id)
-                .limit(1)
-                .with_for_update(skip_locked=True)
-            )
+            candidates = s.execute(queued.limit(CLAIM_WINDOW).with_for_update(skip_locked=True)).all()
+            busy = _shares_a_running_study(s, candidates)
+            job_id = next((c[0] for c in candidates if c[0] not in busy), None)
             if job_id is None:
                 return None
             s.execute(update(Job).where(Job.id == job_id).values(**claimed))
         else:
-            job_id = None
-            for candidate in s.scalars(select(Job.id).where(Job.state == "queued").order_by(Job.id).limit(5)):
+            candidates = s.execute(queued.limit(CLAIM_WINDOW)).all()
+            busy = _shares_a_running_study(s, candidates)
+            for candidate, _, _ in candidates:
+                if candidate in busy:
+                    continue
                 hit = s.execute(
                     update(Job).where(Job.id == candidate, Job.state == "queued").values(**claimed)
                 )
