@@ -521,3 +521,27 @@ def test_a_cancel_the_worker_had_not_seen_when_it_shut_down_ends_the_job_cancell
     with session_scope(sqlite_url) as s:
         assert s.get(Job, job_id).state == "cancelled"
     assert claim_job(sqlite_url, "another:1:x") is None
+
+
+def test_a_remote_workers_job_is_requeued_only_once_its_trials_count_as_dead_to_the_study(db_url):
+    """The job was re-queued after 30 s while the study held its driver's trials alive for 60: the
+    new attempt left them `running` and could fill its budget before they were failed."""
+    from tuner.resume import owner_alive
+
+    now = utcnow()
+    ages = (40, 70)
+    jobs = [
+        _queue(
+            db_url,
+            state="running",
+            worker_id="other-host:1:x",
+            attempts=1,
+            updated_at=now - dt.timedelta(seconds=age),
+            recipe=_own_study(),
+        )[0]  # fmt: skip
+        for age in ages
+    ]
+    assert dict(recover_jobs(db_url)) == {jobs[1]: "queued"}
+    owner = {"host": "other-host", "pid": 1, "id": "x"}
+    beats = [time.time() - age for age in ages]
+    assert [owner_alive(owner, beat, beat) for beat in beats] == [True, False]

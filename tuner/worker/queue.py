@@ -12,14 +12,17 @@ import uuid
 from sqlalchemy import func, select, update
 
 from tuner.db import Job, add_event, session_scope, utcnow
+from tuner.resume import STALE_AFTER_S as DRIVER_STALE_AFTER_S
 from tuner.resume import pid_dead
 
 log = logging.getLogger("tuner.worker")
 
 HEARTBEAT_S = 2.0
 # A running job whose heartbeat is older than this lost its worker (on another host; on this host a
-# dead pid is noticed at once).
-STALE_AFTER_S = 30.0
+# dead pid is noticed at once). The study's own rule for its trials' driver, not a shorter one: a
+# job re-queued sooner found its dead driver's trials still alive to the study, left them
+# `running`, and could fill its budget before they counted as dead.
+STALE_AFTER_S = DRIVER_STALE_AFTER_S
 MAX_ATTEMPTS = 3
 RETRY_S = 5.0  # after the database was unreachable
 CLAIM_WINDOW = 20  # queued jobs a claim looks at, oldest first (those waiting their study's turn skipped)
