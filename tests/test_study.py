@@ -227,6 +227,15 @@ def test_remeasured_top_configs_keep_one_complete_trial_each(tune, url):
     assert ex2.submitted == []
 
 
+def test_a_remeasurement_that_reports_no_finite_throughput_adds_no_value(tune, url):
+    """A re-measurement reporting NaN tokens/s was kept as a run (the trial loop refused the same
+    result): the winner's median came out NaN."""
+    recipe = make_recipe("nan-again", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]})
+    summary = tune(recipe, FakeExecutor(again={8: float("nan")}), trials=6, remeasure_top=2)
+    assert summary.best.config["micro_batch_size"] == 8 and summary.best.remeasured_tokens_per_s == []
+    assert summary.best.tokens_per_s == fake_tokens(Config(micro_batch_size=8, dp=2, amp="O1"))
+
+
 def test_a_remeasurement_whose_slot_was_taken_waits_for_the_next_one(tune):
     """A shared cluster can take the slot `free_slots` offered before the submit: the trial loop
     asks again, and so must re-measurement (it failed the whole study after its search)."""

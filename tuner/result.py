@@ -7,12 +7,13 @@ are fixed by DESIGN.md and used everywhere (CLI --json, trial user attributes, R
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tuner.record import keys
-from tuner.record.status import Status
+from tuner.record.status import OK, Status
 
 # Where a profiled step's time goes (`TrialResult.breakdown`), in the dashboard's stacking order.
 BREAKDOWN_CATEGORIES = ("compute", "attention", "communication", "optimizer", "idle")
@@ -108,6 +109,12 @@ class TrialResult:
     def budget_peak(self) -> int | None:
         """The peak the memory budget is checked against (`budget_peak`)."""
         return budget_peak(vars(self))
+
+    @property
+    def measured_ok(self) -> bool:
+        """Whether it ran to a throughput the study may use: ok, and a finite, positive tokens/s."""
+        tps = self.tokens_per_s
+        return self.status == OK and tps is not None and math.isfinite(tps) and tps > 0
 
     @property
     def overhead_s(self) -> float | None:

@@ -26,7 +26,7 @@ from tuner.prune import OomFloor, oom_floor, study_calibration, verdict
 from tuner.recipe import Recipe
 from tuner.record import keys
 from tuner.record.ranking import behind_line, contention_line, rank_trials, run_noise_ci
-from tuner.record.status import OK, OOM, PRUNED
+from tuner.record.status import OOM, PRUNED
 from tuner.record.trial import from_frozen
 from tuner.result import TrialResult, TrialSpec
 from tuner.resume import new_owner, queued_params, recover_dead_trials, similar_study_configs
@@ -392,8 +392,7 @@ class Driver:
         for key, value in record.items():
             if value is not None:
                 trial.set_user_attr(key, value)
-        ok = bool(result.status == OK and result.tokens_per_s and math.isfinite(result.tokens_per_s))
-        if not ok:
+        if not result.measured_ok:
             self.study.tell(trial, state=TrialState.FAIL)
             return False
         peak = result.budget_peak

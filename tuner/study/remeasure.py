@@ -22,7 +22,6 @@ from tuner.prune import verdict
 from tuner.record import keys
 from tuner.record.ranking import Ranking, run_noise_ci
 from tuner.record.reader import read_study
-from tuner.record.status import OK
 from tuner.space import config_from_params
 from tuner.study.driver import HEARTBEAT_INTERVAL_S, Driver
 
@@ -101,7 +100,7 @@ def _remeasure_trials(driver: Driver, numbers: list[int], ranking: Ranking, runs
             spent = driver.study.user_attrs.get(keys.REMEASURE_DEVICE_SECONDS, 0.0)
             driver.study.set_user_attr(keys.REMEASURE_DEVICE_SECONDS, spent + cost)
             # A failed re-measurement adds no value, but its key marks the config as re-measured.
-            ok = result.status == OK and bool(result.tokens_per_s)
+            ok = result.measured_ok
             _append(driver, keys.remeasured_key(number), [result.tokens_per_s] if ok else [])
             if ok:
                 _append(driver, keys.remeasured_ci_key(number), [result.step_time_ci])
