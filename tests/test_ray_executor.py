@@ -159,6 +159,32 @@ def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_pat
     assert executor.wait(timeout=0.5) == []  # the dead trial is not reported a second time
 
 
+def test_a_cancel_from_another_thread_while_the_driver_waits_stops_the_trial(executor, tmp_path):
+    """The service's heartbeat cancels from its own thread while the study's thread sits in
+    `wait`: cancel cleared the running trials that `wait` was iterating and reading."""
+    import threading
+
+    long = tiny_spec(tmp_path, "long", steps=10_000)
+    executor.submit(long)
+    wait_for(lambda: len(trial_pids(long)) == 2, 90, "the long trial's launcher and rank")
+    errors: list[BaseException] = []
+
+    def waits() -> None:
+        try:
+            while executor.running():
+                executor.wait(timeout=0.2)
+        except BaseException as err:  # noqa: BLE001 - what the test reports
+            errors.append(err)
+
+    driver = threading.Thread(target=waits)
+    driver.start()
+    time.sleep(1.0)
+    executor.cancel()
+    driver.join(30)
+    assert not driver.is_alive() and errors == [] and executor.running() == []
+    wait_for(lambda: not trial_pids(long), 15, "the cancelled trial's processes to exit")
+
+
 def node_helpers() -> dict[int, bytes]:
     """The node helpers alive on this host (pid: command line): they listen in the node directory.
     Matched with its separator: a local helper's own directory (`mkdtemp(prefix="tuner-warm-")`)

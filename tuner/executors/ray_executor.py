@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -38,6 +39,7 @@ from tuner.executors.ray_gang import (
     Trial,
     bundle_strategy,
     combine,
+    free_per_node,
     gang_slots,
     placement_group,
     trial_nodes,
@@ -126,6 +128,7 @@ class RayExecutor(Executor):
         self._task = ray.remote(max_retries=0, retry_exceptions=False, num_returns="streaming")(run_on_node)
         self._running: dict[str, Trial] = {}
         self._finished: list[TrialResult] = []
+        self._lock = threading.RLock()  # `wait` and `cancel` (the service cancels from its heartbeat)
         self._ended: list[tuple[str, str, int, float]] = []  # (node, resource, amount, when)
         # Each node's warm helper, by node id, for the trial tasks (`tuner.executors.ray_warm`).
         self._warm = WarmHosts(env)
@@ -170,25 +173,12 @@ class RayExecutor(Executor):
     def _free_per_node(self, resource: str) -> tuple[dict[str, float], float]:
         """What each node has free for us now, and what our queued tasks still ask for."""
         totals, avail = self._node_resources()
-        mine: dict[str, float] = {}  # ours on each node, including just-ended trials Ray may still count
         recent = time.monotonic() - RESOURCE_LAG_S
         self._ended = [(node, r, a, t) for node, r, a, t in self._ended if t > recent]
         placed = [p for t in self._running.values() for p in t.placed()]
-        for node, res, amt in placed + [(node, r, a) for node, r, a, _ in self._ended]:
-            if res == resource:
-                mine[node] = mine.get(node, 0.0) + amt
         pending = float(sum(t.pending() for t in self._running.values() if t.resource == resource))
-        free = {}
-        for node, total in totals.items():
-            # Ray's view trails our starts and ends by ~0.1 s, and may show a task of ours as started
-            # before its "started" message reached us. So other jobs hold what Ray counts as used
-            # beyond our placed, just-ended and queued trials; our own share we know exactly.
-            cap = total.get(resource, 0.0)
-            used = cap - avail.get(node, {}).get(resource, 0.0)
-            others = max(0.0, used - mine.get(node, 0.0) - pending)
-            running = sum(a for n, r, a in placed if n == node and r == resource)
-            free[node] = max(0.0, cap - others - running)
-        return free, pending
+        ended = [(node, r, a) for node, r, a, _ in self._ended]
+        return free_per_node(totals, avail, resource, placed, ended, pending), pending
 
     def _slots_now(self, resource: str, amount: int, nnodes: int = 1) -> int:
         free, pending = self._free_per_node(resource)
@@ -203,7 +193,8 @@ class RayExecutor(Executor):
     def free_slots(self, spec: TrialSpec) -> int:
         if self._unschedulable(spec):
             return 1  # submit answers at once with an "unschedulable" result; never a silent 0
-        return self._slots_now(*trial_demand(spec), trial_nodes(spec))
+        with self._lock:
+            return self._slots_now(*trial_demand(spec), trial_nodes(spec))
 
     # -- trials ----------------------------------------------------------------------------------
 
@@ -331,20 +322,24 @@ class RayExecutor(Executor):
         import ray
 
         deadline = None if timeout is None else time.monotonic() + timeout
-        out, self._finished = self._finished, []
-        while not out and self._running:
-            remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if remaining <= 0:
-                break
-            by_gen = {id(p.gen): (t, p) for t in self._running.values() for p in t.parts if p.result is None}
-            ready, _ = ray.wait([p.gen for _, p in by_gen.values()], num_returns=1, timeout=remaining)
-            for gen in ready:
-                trial, part = by_gen[id(gen)]
-                result = self._advance(trial, part)
-                if result is not None:
-                    del self._running[trial.spec.tag]
-                    out.append(result)
-        return out
+        out: list[TrialResult] = []
+        while True:
+            # A second at a time under the lock: a cancel from another thread (the service's
+            # heartbeat) waits at most that long, and never clears what this loop is reading.
+            with self._lock:
+                out, self._finished = out + self._finished, []
+                remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if out or not self._running or remaining <= 0:
+                    return out
+                live = [(t, p) for t in self._running.values() for p in t.parts if p.result is None]
+                by_gen = {id(p.gen): (t, p) for t, p in live}
+                ready, _ = ray.wait([p.gen for _, p in by_gen.values()], num_returns=1, timeout=remaining)
+                for gen in ready:
+                    trial, part = by_gen[id(gen)]
+                    result = self._advance(trial, part)
+                    if result is not None:
+                        del self._running[trial.spec.tag]
+                        out.append(result)
 
     def running(self) -> list[str]:
         return list(self._running)
@@ -361,6 +356,11 @@ class RayExecutor(Executor):
         return [p.where for p in sorted(trial.parts, key=lambda p: p.node_rank or 0)] if trial else []
 
     def cancel(self) -> None:
+        """Stop every running trial; safe from another thread than the one in `wait`."""
+        with self._lock:
+            self._cancel()
+
+    def _cancel(self) -> None:
         import ray
 
         trials = list(self._running.values())

@@ -72,6 +72,33 @@ def bundle_strategy(group, index: int):
     )
 
 
+def free_per_node(
+    totals: dict[str, dict[str, float]],
+    avail: dict[str, dict[str, float]],
+    resource: str,
+    placed: list[tuple[str, str, float]],
+    ended: list[tuple[str, str, float]],
+    pending: float,
+) -> dict[str, float]:
+    """What each node has free for one driver's trials: Ray's per-node totals and availability,
+    with the driver's own placed trials, trials that ended moments ago and queued demand, each
+    (node, resource, amount). Ray's view trails our starts and ends by ~0.1 s, and may show a task
+    of ours as started before its "started" message reached us. So other jobs hold what Ray counts
+    as used beyond our placed, just-ended and queued trials; our own share we know exactly."""
+    mine: dict[str, float] = {}
+    for node, res, amount in placed + ended:
+        if res == resource:
+            mine[node] = mine.get(node, 0.0) + amount
+    free = {}
+    for node, total in totals.items():
+        cap = total.get(resource, 0.0)
+        used = cap - avail.get(node, {}).get(resource, 0.0)
+        others = max(0.0, used - mine.get(node, 0.0) - pending)
+        running = sum(a for n, r, a in placed if n == node and r == resource)
+        free[node] = max(0.0, cap - others - running)
+    return free
+
+
 def gang_slots(free_per_node: list[float], per_node: int, nnodes: int) -> int:
     """How many more trials of `nnodes` parts of `per_node` devices fit, each part on its own node."""
     bundles = sorted((int(f // per_node) for f in free_per_node), reverse=True)

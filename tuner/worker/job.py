@@ -77,7 +77,7 @@ class JobRun:
                 # Stop the trials in flight now rather than after they finish on their own.
                 stopped_trials = True
                 try:
-                    self.worker.executor.cancel()
+                    self.worker.cancel_trials()
                 except Exception as err:  # noqa: BLE001 - the beat must go on, or the job looks dead
                     log.warning("job %s: stopping its trials failed: %s", self.job_id, err)
 

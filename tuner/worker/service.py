@@ -74,6 +74,12 @@ class Worker:
             self._executor = make_executor(self.settings.executor)
         return self._executor
 
+    def cancel_trials(self) -> None:
+        """Stop the trials in flight (from the job's heartbeat thread). An executor not made yet
+        runs none: it is not made here, where the job's own thread may be making it."""
+        if self._executor is not None:
+            self._executor.cancel()
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.close()
