@@ -149,6 +149,10 @@ class TrialPublic(BaseModel):
         "failed (stopped without a measurement), running, waiting."
     )
     tokens_per_s: float | None
+    remeasured_tokens_per_s: list[float] = Field(
+        description="The config measured again after the search (the winner and its rivals): the "
+        "ranking takes the median over these and tokens_per_s."
+    )
     config: dict[str, Any]
     result: dict[str, Any]
     started_at: dt.datetime | None

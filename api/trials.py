@@ -5,13 +5,13 @@ the study changes): a page of its trials, sorted and filtered in memory, and its
 from __future__ import annotations
 
 import datetime as dt
+import math
 from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.schemas import TrialPublic
 from tuner.db import FINAL_STATES, Build, Job
 from tuner.record import keys
 from tuner.record.reader import StudyRecord, read_study
@@ -67,18 +67,15 @@ def read_trials(
         if item is None:
             # Built once per trial and study version: validating and dumping the model for every
             # row of every page was most of a page's time with 10,000 trials.
-            item = public[t.number] = public_item(t)
+            item = public[t.number] = public_item(t, study.remeasured.get(t.number, []))
         page.append(item)
     return page, len(ordered)
 
 
-def _public(t: TrialRecord) -> TrialPublic:
-    return TrialPublic(**public_item(t))
-
-
-def public_item(t: TrialRecord) -> dict[str, Any]:
+def public_item(t: TrialRecord, remeasured: list[float]) -> dict[str, Any]:
     """A trial as `TrialPublic`'s JSON, built by hand: pydantic's validate-then-dump of each row was
-    most of a page's time (tests/test_api.py checks the two agree)."""
+    most of a page's time (tests/test_api.py checks the two agree). `remeasured`: the study's
+    re-measurements of the trial's config."""
     stored = t.attrs.get(keys.CONFIG)
     value = _value(t)
     return {
@@ -86,6 +83,9 @@ def public_item(t: TrialRecord) -> dict[str, Any]:
         "state": t.state,
         "status": t.status,
         "tokens_per_s": value if value is not None else t.attrs.get(keys.TOKENS_PER_S),
+        "remeasured_tokens_per_s": [
+            v for v in remeasured if isinstance(v, (int, float)) and math.isfinite(v)
+        ],
         "config": stored if isinstance(stored, dict) else _config(t.params),
         "result": {
             k: t.attrs[k] for k in (*keys.RESULT_KEYS, *keys.WHERE_KEYS, keys.MEASURE_STOP) if k in t.attrs

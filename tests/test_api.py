@@ -463,6 +463,24 @@ def test_trials_page_fast_over_ten_thousand_trials(client, auth, url):
     assert 'tuner_jobs{state="queued"} 1' in metrics
 
 
+def test_a_trials_re_measurements_are_served_with_it(client, auth, url):
+    """A trial's page gave one run's tokens/s while the ranking (and /best) took the median over
+    its re-measurements too: a client comparing the two, as the nightly does, could not tell."""
+    import optuna
+
+    from tuner.record.keys import remeasured_key
+
+    job_id = _submit(client, auth).json()["id"]
+    with session_scope(url) as s:
+        s.get(Job, job_id).study_name = "again"
+    _fill_study(url, "again", 4)
+    study = optuna.load_study(study_name="again", storage=url)
+    study.set_user_attr(remeasured_key(2), [3.0, 2.5])
+    items = client.get(f"/v1/jobs/{job_id}/trials", headers=auth).json()["items"]
+    assert [t["remeasured_tokens_per_s"] for t in items] == [[], [], [3.0, 2.5], []]
+    assert items[2]["tokens_per_s"] == 2.0
+
+
 def test_best_of_a_finished_job_comes_from_its_stored_summary(client, auth, url):
     job_id = _submit(client, auth).json()["id"]
     assert client.get(f"/v1/jobs/{job_id}/best", headers=auth).status_code == 404

@@ -693,3 +693,33 @@ def test_api_night_rides_out_a_service_restart_and_cancels_a_job_it_abandons(
     else:
         assert out.verdict == "failed" and "HTTP 404" in out.error
         assert calls[-1] == "POST /v1/jobs/1/cancel"
+
+
+def test_api_night_gives_last_nights_best_as_the_median_over_its_re_measurements(db_url, monkeypatch):
+    """The local path gave the median over the trial and its re-measurements (the ranking's
+    figure); through the service the same night gave the trial's one run."""
+    import httpx
+
+    def service(request: httpx.Request) -> httpx.Response:
+        job = {"id": 1, "state": "succeeded", "trials_done": 2, "trials_total": 2, "study_name": "s-1"}
+        if request.method == "POST":
+            return httpx.Response(201, json=job)
+        if request.url.path.endswith("/best"):
+            return httpx.Response(
+                200, json={"tokens_per_s": 1200.0, "config": {"micro_batch_size": 4, "dp": 1}}
+            )
+        if request.url.path.endswith("/trials"):
+            last_best = {"micro_batch_size": 8, "dp": 1}
+            trial = {"config": last_best, "tokens_per_s": 800.0, "remeasured_tokens_per_s": [900.0, 1000.0]}
+            return httpx.Response(200, json={"items": [trial]})
+        return httpx.Response(200, json=job)
+
+    real_client = httpx.Client
+    monkeypatch.setattr(
+        httpx, "Client", lambda **kw: real_client(transport=httpx.MockTransport(service), **kw)
+    )
+    run(db_url, NIGHT1, fixed(1000.0, FP_A, mbs=8))
+    out = run(
+        db_url, NIGHT2, nl.api_tuner("http://tuner:8000", "T", night=NIGHT2, trials=2, storage_url=db_url)
+    )
+    assert out.best_tokens_per_s == 1200.0 and out.remeasured_previous_tokens_per_s == 900.0

@@ -281,8 +281,14 @@ def _give_up(client: Any, job: dict[str, Any], allowed_min: float) -> str:
 
 
 def _tokens_of(config: dict[str, Any], trials: list[dict[str, Any]]) -> float | None:
-    """tokens/s of the trial (if any) that measured `config`."""
-    return next((t["tokens_per_s"] for t in trials if _same_config(config, t["config"])), None)
+    """tokens/s of the trial (if any) that measured `config`: the median over it and its
+    re-measurements (`config_throughput`), as the local path and the ranking give it."""
+    from tuner.record.ranking import config_throughput
+
+    for t in trials:
+        if t["tokens_per_s"] and _same_config(config, t["config"]):
+            return config_throughput(t["tokens_per_s"], t.get("remeasured_tokens_per_s") or [])
+    return None
 
 
 def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
