@@ -33,7 +33,8 @@ from tuner.settings import DEFAULT_DATABASE_URL, absolute_database_url, database
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 JOB_STATES: tuple[str, ...] = get_args(JobState)
-FINAL_STATES = ("succeeded", "failed", "cancelled")
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = JOB_STATES
+FINAL_STATES = (SUCCEEDED, FAILED, CANCELLED)
 
 
 class DatabaseError(RuntimeError):

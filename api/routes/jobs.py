@@ -15,7 +15,7 @@ from api.errors import ApiError
 from api.responses import FiniteJSONResponse
 from api.schemas import BestPublic, JobId, JobLog, JobPage, JobPublic, JobState, TrialPage
 from api.settings import Settings
-from tuner.db import FINAL_STATES, Build, Job, add_event, utcnow
+from tuner.db import CANCELLED, FINAL_STATES, QUEUED, Build, Job, add_event, utcnow
 from tuner.recipe import Recipe, RecipeError, load_document, load_json, parse_recipe, recipe_from_dict
 from tuner.space import recipe_space_problems
 
@@ -151,12 +151,12 @@ def create_job(
         recipe_name=recipe.name,
         recipe=recipe.to_dict(),
         recipe_hash=recipe.hash(),
-        state="queued",
+        state=QUEUED,
         trials_total=recipe.search.trials,
     )
     session.add(job)
     session.flush()
-    add_event(session, job.id, "queued", {"state": "queued"})
+    add_event(session, job.id, "queued", {"state": QUEUED})
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobPublic.from_row(job)
 
@@ -205,10 +205,10 @@ def cancel_job(job_id: JobId, session: SessionDep, _: WriteAuth):
         )
     job.cancel_requested = True
     job.updated_at = utcnow()
-    if job.state == "queued":
-        job.state = "cancelled"
+    if job.state == QUEUED:
+        job.state = CANCELLED
         job.finished_at = utcnow()
-        add_event(session, job.id, "done", {"state": "cancelled"})
+        add_event(session, job.id, "done", {"state": CANCELLED})
     else:
         add_event(session, job.id, "cancel_requested", {})
     return JobPublic.from_row(job)

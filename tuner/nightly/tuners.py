@@ -204,7 +204,7 @@ def api_tuner(
 
         import httpx
 
-        from tuner.db import FINAL_STATES
+        from tuner.db import FINAL_STATES, SUCCEEDED
 
         doc = recipe.to_dict()
         doc["name"] = nightly_job_name(recipe, night, run)
@@ -228,7 +228,7 @@ def api_tuner(
             fp_hash = _hash(fp) or (job.get("study_name") or "").removesuffix("-pareto").rsplit("-", 1)[-1]
             tonight = Tonight(None, None, fp, fp_hash, study_name=job.get("study_name"), job_id=job["id"])
             tonight.trials = job["trials_done"]
-            if late or job["state"] != "succeeded":
+            if late or job["state"] != SUCCEEDED:
                 tonight.error = late or job.get("error") or f"job {job['id']} {job['state']}"
                 return tonight
             best = _call(client, "GET", f"/v1/jobs/{job['id']}/best")
@@ -267,9 +267,11 @@ def _poll(client: Any, job: dict[str, Any], deadline: float, poll_s: float) -> d
 
 def _give_up(client: Any, job: dict[str, Any], allowed_min: float) -> str:
     """Cancel a job past its deadline; the sentence tonight's failure reports."""
+    from tuner.db import QUEUED
+
     why = (
         "no worker took it: is `tuner worker` (or `tuner serve`) running against the service's database?"
-        if job["state"] == "queued"
+        if job["state"] == QUEUED
         else "its worker stopped reporting (a dead worker is re-queued only by a live one)"
     )
     try:

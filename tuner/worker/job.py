@@ -12,12 +12,27 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from tuner.db import FINAL_STATES, Build, DatabaseError, Job, add_event, session_scope, utcnow
+from tuner.db import (
+    CANCELLED,
+    FAILED,
+    FINAL_STATES,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    Build,
+    DatabaseError,
+    Job,
+    add_event,
+    session_scope,
+    utcnow,
+)
 from tuner.record.snapshot import snapshot_study
 from tuner.summary import StudySummary
 from tuner.worker.wording import failure, one_line
 
 log = logging.getLogger("tuner.worker")
+# An outcome, never a job's stored state: another worker took the job over; this one writes nothing.
+LOST = "lost"
 
 
 @dataclass
@@ -64,9 +79,7 @@ class JobRun:
             try:
                 with session_scope(self.url) as s:
                     mine = (Job.id == self.job_id) & (Job.worker_id == self.worker.worker_id)
-                    hit = s.execute(
-                        update(Job).where(mine, Job.state == "running").values(updated_at=utcnow())
-                    )
+                    hit = s.execute(update(Job).where(mine, Job.state == RUNNING).values(updated_at=utcnow()))
                     if hit.rowcount == 0:
                         self.lost.set()
                     elif s.scalar(select(Job.cancel_requested).where(Job.id == self.job_id)):
@@ -124,7 +137,7 @@ class JobRun:
             log.exception("job %s failed", self.job_id)
             # Stopping trials can make the study raise; a stop that was asked for is not a failure.
             outcome = self._stopped() or Outcome(
-                "failed",
+                FAILED,
                 error=failure(
                     "the study failed", err, "see the job's log; fix the recipe or the worker and resubmit"
                 ),
@@ -145,7 +158,7 @@ class JobRun:
         try:  # what the API's host could not check: this worker's devices (`tuner.study.preflight`)
             described = preflight(recipe, recipe.search.sampler, self.worker.executor)
         except PreflightError as err:
-            return Outcome("failed", error=f"this worker cannot run the recipe: {err}; fix it and resubmit")
+            return Outcome(FAILED, error=f"this worker cannot run the recipe: {err}; fix it and resubmit")
         name = study_name(recipe, described.fingerprint)
         if not recipe.search.reuse:
             # Fresh measurements: the job's own study (a re-queued job resumes it, same name).
@@ -170,11 +183,11 @@ class JobRun:
             return stopped
         if summary.best is None:
             return Outcome(
-                "failed", summary, "no trial finished ok; GET the job's trials to see why each failed"
+                FAILED, summary, "no trial finished ok; GET the job's trials to see why each failed"
             )
         if not cfg.build:
             return Outcome(
-                "succeeded",
+                SUCCEEDED,
                 summary,
                 build=BuildOutcome(error="builds are turned off on this service (TUNER_BUILD=false)"),
             )
@@ -182,17 +195,17 @@ class JobRun:
         # A cancel asked for while the winner was built (which no executor cancel stops) is a
         # cancel still: the job ends cancelled, with the build it finished.
         if self.cancelled.is_set() or self.lost.is_set():
-            return Outcome("lost" if self.lost.is_set() else "cancelled", summary, build=build)
-        return Outcome("succeeded", summary, build=build)
+            return Outcome(LOST if self.lost.is_set() else CANCELLED, summary, build=build)
+        return Outcome(SUCCEEDED, summary, build=build)
 
     def _stopped(self) -> Outcome | None:
         """Why the study stopped early, when it was asked to: taken over, shut down or cancelled."""
         if self.lost.is_set():
-            return Outcome("lost")
+            return Outcome(LOST)
         if self.worker.shutdown.is_set() and not self.cancelled.is_set():
-            return Outcome("queued")
+            return Outcome(QUEUED)
         if self.cancelled.is_set():
-            return Outcome("cancelled")
+            return Outcome(CANCELLED)
         return None
 
     def _build(self, recipe: Any, name: str, trial_number: int) -> BuildOutcome:
@@ -239,22 +252,22 @@ class JobRun:
 
     def _finish(self, outcome: Outcome) -> str:
         state = outcome.state
-        if state == "lost":
+        if state == LOST:
             log.warning("job %s was taken over by another worker; leaving it", self.job_id)
             return state
-        if state != "queued":
+        if state != QUEUED:
             self._snapshot()
         with session_scope(self.url) as s:
             job = s.get(Job, self.job_id)
             if job is None or job.worker_id != self.worker.worker_id or job.state in FINAL_STATES:
                 return job.state if job is not None else state
             job.updated_at = utcnow()
-            if state == "queued" and job.cancel_requested:
+            if state == QUEUED and job.cancel_requested:
                 # Shut down after a cancel this worker had not yet seen: the cancel wins.
-                state = outcome.state = "cancelled"
-            if state == "queued":
+                state = outcome.state = CANCELLED
+            if state == QUEUED:
                 # Graceful shutdown: hand the job back without spending one of its attempts.
-                job.state, job.worker_id, job.attempts = "queued", None, max(0, job.attempts - 1)
+                job.state, job.worker_id, job.attempts = QUEUED, None, max(0, job.attempts - 1)
                 add_event(s, job.id, "requeued", {"reason": "worker shut down"})
                 return state
             _record_outcome(s, job, outcome)

@@ -11,7 +11,7 @@ import uuid
 
 from sqlalchemy import func, select, update
 
-from tuner.db import Job, add_event, session_scope, utcnow
+from tuner.db import CANCELLED, FAILED, QUEUED, RUNNING, Job, add_event, session_scope, utcnow
 from tuner.resume import STALE_AFTER_S as DRIVER_STALE_AFTER_S
 from tuner.resume import pid_dead
 
@@ -53,7 +53,7 @@ def recover_jobs(
         now = utcnow()
         running = s.execute(
             select(Job.id, Job.worker_id, Job.updated_at, Job.attempts, Job.cancel_requested).where(
-                Job.state == "running"
+                Job.state == RUNNING
             )
         )
         for job_id, worker_id, heartbeat, attempts, cancel in running.all():
@@ -61,19 +61,19 @@ def recover_jobs(
                 continue
             if cancel:
                 reason = f"cancelled; its worker {worker_id} died before it stopped"
-                values = {"state": "cancelled", "finished_at": now}
-                event = ("done", {"state": "cancelled", "reason": reason})
+                values = {"state": CANCELLED, "finished_at": now}
+                event = ("done", {"state": CANCELLED, "reason": reason})
             elif attempts >= max_attempts:
                 error = f"its worker died {attempts} times while running it (limit {max_attempts}); giving up"
-                values = {"state": "failed", "finished_at": now, "error": error}
-                event = ("done", {"state": "failed", "error": error})
+                values = {"state": FAILED, "finished_at": now, "error": error}
+                event = ("done", {"state": FAILED, "error": error})
             else:
-                values = {"state": "queued"}
+                values = {"state": QUEUED}
                 event = ("requeued", {"reason": f"worker {worker_id} died", "attempts": attempts})
             # Compare-and-set: several workers may recover at once; only one may move the job.
             hit = s.execute(
                 update(Job)
-                .where(Job.id == job_id, Job.state == "running", Job.worker_id == worker_id)
+                .where(Job.id == job_id, Job.state == RUNNING, Job.worker_id == worker_id)
                 .values(worker_id=None, updated_at=now, **values)
             )
             if hit.rowcount == 1:
@@ -93,7 +93,7 @@ def _shares_a_running_study(s, candidates: list[tuple[int, str, dict]]) -> set[i
     def reuses(recipe: dict | None) -> bool:
         return bool(((recipe or {}).get("search") or {}).get("reuse", True))
 
-    running = s.execute(select(Job.recipe_hash, Job.recipe).where(Job.state == "running")).all()
+    running = s.execute(select(Job.recipe_hash, Job.recipe).where(Job.state == RUNNING)).all()
     shared = {recipe_hash for recipe_hash, recipe in running if reuses(recipe)}
     return {job_id for job_id, recipe_hash, recipe in candidates if recipe_hash in shared and reuses(recipe)}
 
@@ -104,13 +104,13 @@ def claim_job(url: str | None, worker_id: str) -> int | None:
     PostgreSQL skips rows another worker has locked, SQLite compares-and-sets."""
     now = utcnow()
     claimed = {
-        "state": "running",
+        "state": RUNNING,
         "worker_id": worker_id,
         "attempts": Job.attempts + 1,
         "started_at": func.coalesce(Job.started_at, now),
         "updated_at": now,
     }
-    queued = select(Job.id, Job.recipe_hash, Job.recipe).where(Job.state == "queued").order_by(Job.id)
+    queued = select(Job.id, Job.recipe_hash, Job.recipe).where(Job.state == QUEUED).order_by(Job.id)
     with session_scope(url) as s:
         job_id = None
         if s.bind.dialect.name == "postgresql":
@@ -126,14 +126,12 @@ def claim_job(url: str | None, worker_id: str) -> int | None:
             for candidate, _, _ in candidates:
                 if candidate in busy:
                     continue
-                hit = s.execute(
-                    update(Job).where(Job.id == candidate, Job.state == "queued").values(**claimed)
-                )
+                hit = s.execute(update(Job).where(Job.id == candidate, Job.state == QUEUED).values(**claimed))
                 if hit.rowcount == 1:
                     job_id = candidate
                     break
             if job_id is None:
                 return None
         attempts = s.scalar(select(Job.attempts).where(Job.id == job_id))
-        add_event(s, job_id, "state", {"state": "running", "worker": worker_id, "attempt": attempts})
+        add_event(s, job_id, "state", {"state": RUNNING, "worker": worker_id, "attempt": attempts})
     return job_id
