@@ -545,3 +545,23 @@ def test_a_remote_workers_job_is_requeued_only_once_its_trials_count_as_dead_to_
     owner = {"host": "other-host", "pid": 1, "id": "x"}
     beats = [time.time() - age for age in ages]
     assert [owner_alive(owner, beat, beat) for beat in beats] == [True, False]
+
+
+def test_a_job_whose_heartbeat_arrives_while_it_is_judged_dead_is_left_running(db_url, monkeypatch):
+    """Recovery read the heartbeat, judged the worker dead, and re-queued the job even though a
+    beat had come in meanwhile: two workers then ran it."""
+    from tuner.worker import queue
+
+    long_ago = utcnow() - dt.timedelta(minutes=10)
+    job_id = _queue(db_url, state="running", worker_id="other-host:1:x", attempts=1, updated_at=long_ago)[0]
+    judged = queue.worker_is_dead
+
+    def beat_meanwhile(*args):
+        with session_scope(db_url) as s:  # the worker's heartbeat, between the read and the update
+            s.get(Job, job_id).updated_at = utcnow()
+        return judged(*args)
+
+    monkeypatch.setattr(queue, "worker_is_dead", beat_meanwhile)
+    assert recover_jobs(db_url) == []
+    with session_scope(db_url) as s:
+        assert (s.get(Job, job_id).state, s.get(Job, job_id).worker_id) == ("running", "other-host:1:x")

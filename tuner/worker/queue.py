@@ -70,10 +70,16 @@ def recover_jobs(
             else:
                 values = {"state": QUEUED}
                 event = ("requeued", {"reason": f"worker {worker_id} died", "attempts": attempts})
-            # Compare-and-set: several workers may recover at once; only one may move the job.
+            # Compare-and-set: several workers may recover at once; only one may move the job, and
+            # not one whose heartbeat came in since it was read (its worker lives after all).
             hit = s.execute(
                 update(Job)
-                .where(Job.id == job_id, Job.state == RUNNING, Job.worker_id == worker_id)
+                .where(
+                    Job.id == job_id,
+                    Job.state == RUNNING,
+                    Job.worker_id == worker_id,
+                    Job.updated_at == heartbeat,
+                )
                 .values(worker_id=None, updated_at=now, **values)
             )
             if hit.rowcount == 1:
