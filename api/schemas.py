@@ -14,7 +14,8 @@ from tuner.record.studies import StudyListing
 from tuner.worker.wording import one_line, progress_line
 
 # Job ids are database integers (PostgreSQL INTEGER); a larger number is a 422, not a driver error.
-JobId = Annotated[int, Path(ge=1, le=2_147_483_647, description="The job's id.")]
+JOB_ID_MAX = 2_147_483_647  # the jobs table's 32-bit integer key
+JobId = Annotated[int, Path(ge=1, le=JOB_ID_MAX, description="The job's id.")]
 
 
 class FieldError(BaseModel):

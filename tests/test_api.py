@@ -59,6 +59,34 @@ def auth(client, url):
     return {"Authorization": f"Bearer {token}"}
 
 
+@pytest.mark.postgres
+def test_text_postgresql_cannot_store_and_a_cursor_past_any_id_are_422s_not_500s():
+    """On PostgreSQL a NUL in a recipe's text (its name, or any string in it) and a 12-digit job
+    cursor each answered 500: text columns refuse NUL, the jobs' key is a 32-bit integer."""
+    from test_db import fresh_pg_database
+
+    url, drop = fresh_pg_database()
+    try:
+        with _client(url) as client:
+            with session_scope(url) as s:
+                auth = {"Authorization": f"Bearer {create_token(s, 'tester')}"}
+            doc = yaml.safe_load(TINY)
+            for bad, field in (({**doc, "name": "a\x00b"}, "name"),
+                               ({**doc, "model": {**doc["model"], "family": "g\x00pt"}}, "model.family")):  # fmt: skip
+                resp = client.post(
+                    "/v1/jobs", content=json.dumps(bad), headers={**auth, "Content-Type": "application/json"}
+                )
+                assert resp.status_code == 422 and "NUL" in _fields(resp)[field]
+            resp = client.post("/v1/jobs", content=TINY.replace("name: gpt-tiny", 'name: "two\\nlines"', 1),
+                               headers={**auth, "Content-Type": "application/yaml"})  # fmt: skip
+            assert resp.status_code == 422 and "printable" in _fields(resp)["name"]
+            assert client.get("/v1/jobs?cursor=999999999999", headers=auth).json()["items"] == []
+            history = client.get("/ui/api/recipes/a%00b/history", headers=auth)
+            assert history.status_code == 422
+    finally:
+        drop()
+
+
 def test_a_new_job_is_stored_before_its_202_reaches_the_client(tmp_path, monkeypatch):
     # A real server: a client that reads the 202 follows the job's Location at once. With the
     # transaction committed after the response was sent, that GET answered 404 (a CI run of the

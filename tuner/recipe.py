@@ -249,6 +249,16 @@ class MeasureSpec(_Section):
 
 class Recipe(_Section):
     name: str = Field(..., min_length=1, max_length=200)
+
+    @field_validator("name")
+    @classmethod
+    def _printable_name(cls, value: str) -> str:
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+            raise ValueError(
+                "must be one line of printable text (no tabs, newlines or other control characters)"
+            )
+        return value
+
     model: ModelSpec
     train: TrainSpec = TrainSpec()
     hardware: HardwareSpec = HardwareSpec()
@@ -305,9 +315,23 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
     return out
 
 
+def _nul_problems(value: Any, path: str = "") -> list[tuple[str, str]]:
+    """Fields whose text holds a NUL character: no database stores it in text or JSON (PostgreSQL
+    refuses it), and nothing a recipe names needs one."""
+    if isinstance(value, str):
+        return [(path, "contains a NUL character (\\0); remove it")] if "\x00" in value else []
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _nul_problems(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _nul_problems(v, f"{path}.{i}" if path else str(i))]
+    return []
+
+
 def recipe_from_dict(data: Any, source: str | None = None) -> Recipe:
     if not isinstance(data, dict):
         raise RecipeError([("", "a recipe must be a mapping with at least 'name' and 'model'")], source)
+    if problems := _nul_problems(data):
+        raise RecipeError(problems, source)
     model = data.get("model")
     if isinstance(model, dict) and model.get("family") in ("hf", "plugin"):
         from tuner.models import hf, plugins

@@ -241,6 +241,10 @@ def read_comparison(
 @data.get("/recipes/{recipe_name:path}/history")
 def read_recipe_history(recipe_name: str, session: SessionDep, _: ReadAuth):
     """Best tokens/s per nightly run, with regressions and the fingerprint changes next to them."""
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in recipe_name):  # no recipe is named so (`Recipe.name`)
+        raise ApiError(
+            422, "no recipe name holds control characters", [("recipe_name", "printable text only")]
+        )
     return nightly.recipe_history(session, recipe_name)
 
 

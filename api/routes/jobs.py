@@ -13,7 +13,7 @@ from api import trials as trial_store
 from api.deps import ReadAuth, SessionDep, SettingsDep, WriteAuth
 from api.errors import ApiError
 from api.responses import FiniteJSONResponse
-from api.schemas import BestPublic, JobId, JobLog, JobPage, JobPublic, JobState, TrialPage
+from api.schemas import JOB_ID_MAX, BestPublic, JobId, JobLog, JobPage, JobPublic, JobState, TrialPage
 from api.settings import Settings
 from tuner.db import CANCELLED, FINAL_STATES, QUEUED, Build, Job, add_event, utcnow
 from tuner.recipe import Recipe, RecipeError, load_document, load_json, parse_recipe, recipe_from_dict
@@ -176,7 +176,7 @@ def read_jobs(
     if state:
         query = query.where(Job.state == state)
     if cursor:
-        query = query.where(Job.id < int(cursor))
+        query = query.where(Job.id <= min(int(cursor) - 1, JOB_ID_MAX))  # ids are 32-bit integers
     rows = list(session.scalars(query))
     more = len(rows) > limit
     rows = rows[:limit]
