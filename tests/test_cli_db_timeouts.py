@@ -133,3 +133,33 @@ def test_tune_refuses_a_seed_samplers_cannot_take_before_anything_starts(tmp_pat
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "gpt-tiny.yaml"
     result = runner.invoke(app, ["tune", str(recipe), "--seed", seed])
     assert result.exit_code == 2 and "--seed" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "names"),
+    [
+        (["tune", RECIPE, "--trials", "1"], {"TUNER_RUNS_DIR": "{bad}"}, "TUNER_RUNS_DIR"),
+        (["measure", RECIPE, "--workdir", "{bad}"], {}, "--workdir"),
+        (["measure", RECIPE, "--profile", "{bad}"], {}, "--profile"),
+        (["measure", RECIPE], {"TUNER_RUNS_DIR": "{bad}"}, "TUNER_RUNS_DIR"),
+        (["build", RECIPE, "--out", "{bad}"], {}, "--out"),
+        (["build", RECIPE], {"TUNER_ARTIFACT_DIR": "{bad}"}, "TUNER_ARTIFACT_DIR"),
+        (["nightly", str(Path(RECIPE).parent / "nightly"), "--local", "--report", "{bad}"], {}, "--report"),
+    ],
+)
+def test_a_folder_that_cannot_be_written_is_refused_before_any_work_naming_its_option(
+    tmp_path, monkeypatch, args, env, names
+):
+    """A runs folder that could not be made was stored as the baseline trial's `error` (the study
+    never measured its baseline again); a report folder failed the night after its tuning, with a
+    traceback; build and measure folders ended in tracebacks."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = str(blocker / "below")  # a folder under a file: no one can make it
+    for key, value in env.items():
+        monkeypatch.setenv(key, value.format(bad=bad))
+    line = _text(runner.invoke(app, [a.format(bad=bad) for a in args]))
+    assert line.startswith(f"error: {names}") and f"cannot write to the folder {bad}" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing ran, nothing stored

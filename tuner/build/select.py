@@ -22,11 +22,14 @@ def load_trial(
 
     from tuner.db import session_scope
     from tuner.record.reader import read_study
+    from tuner.storage import missing_database
     from tuner.study import study_name as make_study_name
 
     name = name or make_study_name(recipe, fp)
-    with session_scope(url) as session:
-        study = read_study(session, name)
+    study = None
+    if not missing_database(url):  # a SQLite file not there holds no study; reading would make it
+        with session_scope(url) as session:
+            study = read_study(session, name)
     if study is None:
         shown = sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
         raise NoStudyError(

@@ -18,6 +18,7 @@ from tuner.cli.common import (
     load_recipe_or_exit,
     refuse_renamed_timeout,
     storage_or_exit,
+    writable_dir_or_exit,
 )
 
 HELP = """Build the fused kernels of RECIPE's best trial (or --trial N) from its study.
@@ -77,8 +78,9 @@ def build(
         fail(f"--timeout-s: must be a positive number of seconds, got {timeout_s:g}; e.g. --timeout-s 900")
     if trial is not None and trial < 0:
         fail(f"--trial: must be a trial number >= 0, got {trial}")
-    url = storage_or_exit(storage)
     store = ArtifactStore(absolute(out))
+    writable_dir_or_exit(store.root, "--out" if out is not None else "TUNER_ARTIFACT_DIR (default ./builds)")
+    url = storage_or_exit(storage, create=False)  # a build reads the study; it makes no database
     try:
         with executor_or_exit(executor) as runner, _Progress() as progress:
             record = build_trial(

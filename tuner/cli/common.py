@@ -3,6 +3,7 @@ database URL, and the options every command spells the same way."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -47,6 +48,27 @@ def load_recipe_or_exit(path: str):
     for field, why in recipe_space_problems(recipe, shapes=False)[:1]:
         fail(f"{path}: {field}: {why}")
     return recipe
+
+
+def writable_dir_or_exit(path: Path, source: str) -> None:
+    """Check, before any work starts, that the folder `path` can be made and written, or exit
+    naming `source` (the option or variable that gave it): such a folder failed the work at its
+    end (a night's report after hours of tuning) or stored a failed trial as the config's result.
+    Folders made for the check are removed again; the work makes them when it writes."""
+    import tempfile
+
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        reason = err.strerror or str(err)
+        fail(f"{source}: cannot write to the folder {path} ({reason}); give a folder you can write")
+    finally:
+        for folder in made:  # innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def at_least_one_or_exit(option: str, value: int | None) -> None:

@@ -22,6 +22,7 @@ from tuner.cli.common import (
     load_recipe_or_exit,
     parse_sets,
     refuse_renamed_timeout,
+    writable_dir_or_exit,
 )
 from tuner.record.status import OK
 
@@ -104,6 +105,12 @@ def measure(
         fail(
             "--profile: the trace would stay on the node that ran the trial; profile with the local executor"
         )
+    if workdir is not None:
+        writable_dir_or_exit(workdir, "--workdir")
+    else:
+        writable_dir_or_exit(_runs_dir() / "measure", "TUNER_RUNS_DIR (default ./runs: the trial's logs)")
+    if profile is not None:
+        writable_dir_or_exit(profile, "--profile")
     with executor_or_exit(executor) as runner:
         spec, est = _trial_spec(recipe, config, device, workdir, timeout_s, profile is not None, runner)
         result = _run_with_progress(spec, config, runner)
@@ -120,6 +127,12 @@ def measure(
         err_console.print(f"[yellow]warning:[/] the trial wrote no profile under {spec.workdir}/profile")
     if result.status != OK:  # a script sees the failure in the exit status, as it reads the output
         raise typer.Exit(1)
+
+
+def _runs_dir() -> Path:
+    from tuner.settings import runs_dir
+
+    return runs_dir()
 
 
 def _trial_spec(
@@ -207,7 +220,10 @@ def _run_with_progress(spec, config, runner=None):
     stop = threading.Event()
 
     def run() -> None:
-        box["r"] = run_trial(spec, stop=stop) if runner is None else runner.run(spec)
+        try:
+            box["r"] = run_trial(spec, stop=stop) if runner is None else runner.run(spec)
+        except BaseException as err:  # noqa: BLE001 - raised again on the main thread below
+            box["error"] = err
 
     thread = threading.Thread(target=run, daemon=True)
     log = Path(spec.workdir) / "trial.log"
@@ -227,6 +243,8 @@ def _run_with_progress(spec, config, runner=None):
             runner.cancel()
         thread.join(30 if runner is not None else None)
         fail("interrupted; the trial's processes were stopped", code=130)
+    if "error" in box:
+        raise box["error"]
     return box["r"]
 
 

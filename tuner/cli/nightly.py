@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from tuner.cli.common import absolute, err_console, executor_name_or_exit, fail
+from tuner.cli.common import absolute, err_console, executor_name_or_exit, fail, writable_dir_or_exit
 
 EPILOG = (
     "Exit codes: 0 all recipes fine; 1 a recipe regressed by more than --fail-on-regression, or failed; "
@@ -133,6 +133,7 @@ def nightly(
     if api:
         _check_api_url(api)
     executor_name_or_exit(executor)
+    writable_dir_or_exit(report, "--report")  # before the night's tuning, not after it
     if storage is not None:
         from tuner.settings import absolute_database_url
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -23,6 +24,7 @@ from tuner.cli.common import (
     load_recipe_or_exit,
     refuse_renamed_timeout,
     storage_or_exit,
+    writable_dir_or_exit,
 )
 
 TUNE_HELP = """Search RECIPE's knob space on this machine's devices and report the fastest config.
@@ -133,6 +135,7 @@ def tune(
                 preflight(recipe, sampler or recipe.search.sampler, runner)
             except PreflightError as err:
                 fail(str(err))
+            writable_dir_or_exit(_runs_dir(), "TUNER_RUNS_DIR (default ./runs: the trials' logs)")
             url = storage_or_exit(storage)
             with _LiveProgress(total) as live:
                 summary = run_study(
@@ -153,6 +156,12 @@ def tune(
         )
         raise typer.Exit(130) from None
     _report(summary, as_json, top)
+
+
+def _runs_dir() -> Path:
+    from tuner.settings import runs_dir
+
+    return runs_dir()
 
 
 def show(
