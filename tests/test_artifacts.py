@@ -34,6 +34,19 @@ def test_put_then_verify_and_open(tmp_path):
         assert f.read(2) == b"\x1f\x8b"  # gzip magic: the archive itself, ready to stream
 
 
+def test_an_archive_is_as_readable_as_its_checksum_file(tmp_path):
+    """Archives were 0600 (mkstemp's mode kept by the rename) beside a 0644 checksum: a service
+    running as another user than the builder served a 200 it could not read."""
+    old = os.umask(0o022)
+    try:
+        path, _, _ = ArtifactStore(tmp_path / "store").put("s", 1, _build_dir(tmp_path))
+    finally:
+        os.umask(old)
+    side = path.with_suffix("").with_suffix(".sha256")
+    assert oct(path.stat().st_mode & 0o777) == oct(side.stat().st_mode & 0o777) == "0o644"
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # no temporaries
+
+
 def test_a_rebuild_of_the_same_trial_leaves_the_earlier_build_as_its_checksum_says(tmp_path):
     """Two jobs of one recipe share its study and usually its winner: the second build must not
     overwrite the first's archive, whose row and X-Checksum-Sha256 still name its bytes."""

@@ -136,6 +136,18 @@ def safe_extract(archive: str | Path, dest: str | Path) -> Path:
     return dest
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would change it for every thread
+    a moment); 022 where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 class ArtifactStore:
     """A directory of builds: `<root>/<study>/<trial>-<sha256, 12 digits>.tar.gz`, each with a
     `.sha256` file beside it. Each build of a trial keeps its own file: a rebuild (a second job of
@@ -189,11 +201,19 @@ class ArtifactStore:
                     tar.add(directory / rel, arcname=rel, recursive=False, filter=_normalise)
             digest = sha256_file(tmp)
             path = self.path_for(study, trial, digest)
+            # Readable as any file this user writes (mkstemp makes it 0600): the service that
+            # serves builds may run as another user than the one who built.
+            os.chmod(tmp, 0o666 & ~_umask())
+            # The checksum first, then the archive: a reader that finds the archive finds its sum.
+            side = path.with_suffix("").with_suffix(".sha256")
+            side_tmp = Path(f"{tmp}.sha256")
+            side_tmp.write_text(f"{digest}  {path.name}\n")
+            os.replace(side_tmp, side)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
+            Path(f"{tmp}.sha256").unlink(missing_ok=True)
             raise
-        path.with_suffix("").with_suffix(".sha256").write_text(f"{digest}  {path.name}\n")
         return path, digest, path.stat().st_size
 
     def registered_sha256(self, path: str | Path) -> str | None:
