@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -262,6 +263,12 @@ def test_build_past_its_timeout_fails_cleanly_and_leaves_no_process(measured, tm
         if str(tmp_path) in cmdline:
             left.append(cmdline.replace("\0", " "))
     assert left == []
+    # What stays in the store is the failure's log, which the message names; its compile caches
+    # and staged files went (a failed job left whole Inductor caches behind, each time).
+    log = re.search(r"log: (\S+)", _text(run)).group(1).rstrip(")")
+    assert Path(log).is_file() and str(tmp_path) in log
+    kept = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert kept and all(p.name.endswith(".log") for p in kept), kept
 
 
 def test_where_nothing_compiles_the_build_still_holds_config_launch_and_profile(

@@ -1,6 +1,6 @@
 """The build of a trial's config: compile it in its own process group, collect the fused kernels
 Inductor generated, the portable compile cache, the compiled CPU kernels, a profile and a launch
-script, and store the lot as one checked archive (`builds/<study>/<trial>.tar.gz`) registered in
+script, and store the lot as one checked archive (`builds/<study>/<trial>-<sha256 prefix>.tar.gz`) registered in
 the builds table.
 
 Modules: `select` (which trial, what to compile), `phases` (each phase a trial of its own),

@@ -4,6 +4,7 @@ registered in the builds table."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import io
@@ -259,6 +260,33 @@ def build_trial(
     device = recipe.hardware.device
     described = executor.describe(device) if executor is not None else described_here(device)
     plan = _plan(recipe, described, study_name, trial_number, url, store, timeout_s)
+    try:
+        record = _build(plan, described, store, say, executor)
+    except BaseException:
+        _keep_only_logs(plan.work)  # a failure's message names its log; the caches go
+        raise
+    try:
+        record.build_id = register(url, record)
+    except Exception as err:  # noqa: BLE001 - the archive is good; say why it is not listed
+        record.summary.append(f"not registered in the builds table: {err}")
+    shutil.rmtree(plan.work, ignore_errors=True)
+    say(5, STEPS, "done")
+    return record
+
+
+def _keep_only_logs(work: Path) -> None:
+    """What a failed or interrupted build leaves in the store: its logs (the error names one), not
+    its compile caches and staged files (on a GPU, whole Inductor and Triton caches per failure)."""
+    for path in sorted(work.rglob("*"), reverse=True):  # files before their folders
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()  # only once empty: a folder holding a log stays
+            elif not path.name.endswith(".log"):
+                path.unlink()
+
+
+def _build(plan: _Plan, described, store: ArtifactStore, say, executor: Executor | None) -> BuildRecord:
+    """Compile, measure and archive `plan` (here, or on a node of `executor`'s cluster)."""
     if executor is not None and executor.elsewhere:
         say(1, STEPS, f"compiling and measuring on a {plan.family} node of the cluster")
         # Ranks share a CPU node's cores, as they do on this machine (`machine_refusal`).
@@ -280,12 +308,6 @@ def build_trial(
     path, digest, size = store.put(plan.study, plan.number, stage)
     record.path, record.sha256, record.size_bytes = str(path.resolve()), digest, size
     record.summary.append(f"archive: {path} ({size / 2**20:.1f} MiB, sha256 {digest[:12]})")
-    try:
-        record.build_id = register(url, record)
-    except Exception as err:  # noqa: BLE001 - the archive is good; say why it is not listed
-        record.summary.append(f"not registered in the builds table: {err}")
-    shutil.rmtree(plan.work, ignore_errors=True)
-    say(5, STEPS, "done")
     return record
 
 

@@ -23,7 +23,7 @@ from tuner.cli.common import (
 
 HELP = """Build the fused kernels of RECIPE's best trial (or --trial N) from its study.
 
-The config is compiled with torch.compile (Inductor) in processes of its own, like a trial. The build archive builds/<study>/<trial>.tar.gz holds config.json (knobs, recipe, winning metrics), launch.sh (the torchrun command that reproduces the measured run), kernels/ (generated Triton or C++ per rank, with index.json naming the fused operators), compile-cache.bin (load it with torch.compiler.load_cache_artifacts to skip compiling), profile/ (Chrome trace, step-time breakdown) and manifest.json (versions, device, sha256 of every file). The build is registered in the database's builds table.
+The config is compiled with torch.compile (Inductor) in processes of its own, like a trial. The build archive builds/<study>/<trial>-<sha256 prefix>.tar.gz (a rebuild keeps its own file) holds config.json (knobs, recipe, winning metrics), launch.sh (the torchrun command that reproduces the measured run), kernels/ (generated Triton or C++ per rank, with index.json naming the fused operators), compile-cache.bin (load it with torch.compiler.load_cache_artifacts to skip compiling), profile/ (Chrome trace, step-time breakdown) and manifest.json (versions, device, sha256 of every file). The build is registered in the database's builds table.
 
 \b
 Examples:
@@ -98,6 +98,8 @@ def build(
         fail(str(err))
     except (BuildError, ArtifactError) as err:
         fail(str(err), code=1)
+    except OSError as err:  # the disk filled, a file the build copies went missing
+        fail(f"build failed: {err}; the study is unchanged, run the build again once that is fixed", code=1)
     if as_json:
         typer.echo(json.dumps(record.to_dict(), indent=1))
     else:
