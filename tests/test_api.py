@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import os
 import time
 
 import pytest
@@ -400,6 +401,16 @@ def test_build_download_carries_its_checksum_and_filename(client, auth, url, tmp
     assert resp.status_code == 200
     assert resp.headers["X-Checksum-Sha256"] == digest == hashlib.sha256(resp.content).hexdigest()
     assert 'filename="7.tar.gz"' in resp.headers["Content-Disposition"]
+    # A byte flipped on disk: it was served as before, under the stored checksum.
+    damaged = bytearray(tarball.read_bytes())
+    damaged[100] ^= 0xFF
+    tarball.write_bytes(bytes(damaged))
+    os.utime(tarball, ns=(1, 1))  # a new modification time, as any write gives
+    resp = client.get(f"/v1/jobs/{job_id}/build", headers=auth)
+    assert resp.status_code == 409 and "no longer matches its checksum" in resp.json()["detail"]
+    tarball.unlink()
+    resp = client.get(f"/v1/jobs/{job_id}/build", headers=auth)
+    assert resp.status_code == 404 and "missing from the artifact store" in resp.json()["detail"]
 
 
 # ---- trials straight from Optuna's tables -------------------------------------------------------

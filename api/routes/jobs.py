@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -10,6 +9,7 @@ from fastapi.responses import FileResponse
 from sqlalchemy import select
 
 from api import trials as trial_store
+from api.builds import build_response
 from api.deps import ReadAuth, SessionDep, SettingsDep, WriteAuth
 from api.errors import ApiError
 from api.responses import FiniteJSONResponse
@@ -302,7 +302,10 @@ def read_best(job_id: JobId, session: SessionDep, _: ReadAuth):
     responses={
         200: {"content": {"application/gzip": {}}, "description": "The build tarball."},
         404: {"description": "No job has this id, or it finished without a build."},
-        409: {"description": "The job has not finished; it is built when it succeeds."},
+        409: {
+            "description": "The job has not finished (it is built when it succeeds), or the build's file "
+            "no longer matches its checksum."
+        },
     },
 )
 def read_build(job_id: JobId, session: SessionDep, _: ReadAuth):
@@ -318,14 +321,5 @@ def read_build(job_id: JobId, session: SessionDep, _: ReadAuth):
             )
         reason = job.error or "no trial completed, or the build failed"
         raise ApiError(404, f"job {job_id} has no build ({job.state}: {reason})", [("id", "no build")])
-    path = Path(build.path)
-    if not path.is_file():
-        raise ApiError(
-            404, f"build file of job {job_id} is missing from the artifact store", [("id", str(path))]
-        )
-    return FileResponse(
-        path,
-        media_type="application/gzip",
-        filename=path.name,
-        headers={"X-Checksum-Sha256": build.sha256},
-    )
+    missing = f"build file of job {job_id} is missing from the artifact store"
+    return build_response(build, ("id", "missing"), missing)

@@ -3,7 +3,6 @@ winner as every view shows it, and its build when one was made."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter
@@ -12,6 +11,7 @@ from fastapi.responses import FileResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.builds import build_response
 from api.deps import ReadAuth, SessionDep
 from api.errors import ApiError
 from api.schemas import StudyPage, StudyPublic
@@ -79,19 +79,14 @@ def read_studies(session: SessionDep, _: ReadAuth):
     responses={
         200: {"content": {"application/gzip": {}}, "description": "The build tarball."},
         404: {"description": "No study has this name, or no build was made of it."},
+        409: {"description": "The build's file no longer matches its checksum."},
     },
 )
 def read_study_build(study_name: StudyName, session: SessionDep, _: ReadAuth):
     """Download the study's newest build (`tuner build`, or its job's); `X-Checksum-Sha256`."""
     get_study(session, study_name)
     build = latest_build(session, study_name)
-    if build is None or not Path(build.path).is_file():
-        raise ApiError(
-            404,
-            f"study {study_name!r} has no build; make one with `tuner build RECIPE`",
-            [("study_name", "no build")],
-        )
-    path = Path(build.path)
-    return FileResponse(
-        path, media_type="application/gzip", filename=path.name, headers={"X-Checksum-Sha256": build.sha256}
-    )
+    missing = f"study {study_name!r} has no build; make one with `tuner build RECIPE`"
+    if build is None:
+        raise ApiError(404, missing, [("study_name", "no build")])
+    return build_response(build, ("study_name", "no build"), missing)
