@@ -65,15 +65,20 @@ def launch_script(
 ) -> str:
     env = {k: v for k, v in sorted(os.environ.items()) if _LAUNCH_ENV.match(k)}
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) or "# (none set)\n"
+    warm = ""
     if compiled:
-        exports += f"""# The build's compiler output, so a compile starts warm: compiled CPU kernels (machine-specific:
-# they load only with the CPU, compiler and torch of the build) and the portable compile cache.
-if [ -f {KERNELS_TAR} ]; then mkdir -p run/inductor && tar -xf {KERNELS_TAR} -C run/inductor; fi
+        warm = f"""# The build's compiler output, so a compile starts warm: compiled CPU kernels (machine code for
+# the build's CPU: unpacked only where the CPU has the same instruction set, `tuner.build.cpu_match`)
+# and the portable compile cache.
+if [ -f {KERNELS_TAR} ] && "$py" -m tuner.build.cpu_match config.json; then
+  mkdir -p run/inductor && tar -xf {KERNELS_TAR} -C run/inductor
+fi
 export TORCHINDUCTOR_CACHE_DIR="$PWD/run/inductor"
 if [ -f compile-cache.bin ]; then export TUNER_COMPILE_CACHE="$PWD/compile-cache.bin"; fi
 """
     measured = f"{tokens:,.0f} tokens/s" if tokens else "its throughput"
-    setup = exports + _INTERPRETER + _checks(requires)  # the environment, then the interpreter and checks
+    # The environment, then the interpreter, the checks and the build's compiler output.
+    setup = exports + _INTERPRETER + _checks(requires) + warm
     if nodes > 1:
         return _multi_node(trial, study, world, measured, device, setup, nodes)
     return f"""#!/usr/bin/env bash

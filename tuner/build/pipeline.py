@@ -21,6 +21,7 @@ from typing import Any
 
 from tuner.artifacts import ArtifactStore, write_manifest
 from tuner.build.base import KERNELS_TAR, BuildError, BuildRecord
+from tuner.build.cpu_match import cpu_flags
 from tuner.build.kernels import collect_compiled, pack_compiled_kernels
 from tuner.build.launch import write_launch
 from tuner.build.phases import run_phase
@@ -213,7 +214,12 @@ def _write_config(
         "compile_cpu": {"cold": info.get("compile_cpu"), "warm": (warm or {}).get("compile_cpu")},
         "warm": warm,
         "compile_cache": caches,
-        "compiled_kernels": {"file": KERNELS_TAR, "shared_objects": ph.shared_objects}
+        # With the CPU's instruction set they were compiled for (`tuner.build.cpu_match`).
+        "compiled_kernels": {
+            "file": KERNELS_TAR,
+            "shared_objects": ph.shared_objects,
+            "cpu_flags": cpu_flags(),
+        }
         if ph.shared_objects
         else None,
         "kernels_not_produced": p.no_kernels,
