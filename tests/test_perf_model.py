@@ -427,6 +427,20 @@ def test_model_sampler_runs_only_feasible_unpruned_untried_configs(tmp_path, pri
     assert recorded_priors(study.user_attrs[keys.DEVICE_PRIORS], "cpu") == PRIORS
 
 
+def test_model_sampler_runs_every_config_of_a_small_space_the_plain_one_too(tmp_path, priors):
+    """A trial without fixed params counted the plain config (Config() from {}) as tried: on one
+    device, a real config the model sampler never proposed, and the study ended "space
+    exhausted" without it."""
+    doc = tiny()
+    doc["hardware"]["devices"] = 1
+    doc["search"]["overrides"] = {**OVERRIDES, "micro_batch_size": [1, 2, 4], "recompute": ["none"],
+                                  "amp": ["O0"], "attention": ["math", "flash"]}  # fmt: skip
+    recipe = recipe_from_dict(doc)
+    ex = _study(recipe, f"sqlite:///{tmp_path}/t.db", tmp_path, trials=20)
+    ran = {c.key() for c in ex.ran}
+    assert Config().key() in ran and ran == {c.key() for c in space_configs(recipe)}
+
+
 def test_recorded_priors_read_back_as_written_and_anything_else_is_not_used():
     stored = json.loads(json.dumps(PRIORS.to_dict()))  # as a study attribute holds them
     assert recorded_priors(stored, "cpu") == PRIORS
@@ -740,8 +754,8 @@ def test_a_space_where_few_configs_are_feasible_is_sampled_after_a_bounded_walk(
 
     monkeypatch.setattr(type(space), "walk", counted)
     monkeypatch.setattr(cand, "EXAMINE_LIMIT", 5000)
-    pool = cand.candidates(space, recipe, device)
-    assert len(looked) == 5000 and pool
+    pool, whole = cand.candidates(space, recipe, device)
+    assert len(looked) == 5000 and pool and not whole  # a sample: the sampler may not exhaust it
     assert all(not infeasible_reasons(c, recipe, device) for c in pool)
     assert {c.tp for c in pool} <= {1, 2} and {c.pp for c in pool} <= {1, 2}
 

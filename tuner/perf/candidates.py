@@ -48,8 +48,10 @@ def candidates(
     seed: int = 0,
     around: Iterable[Config] = (),
     limit: int = LIMIT,
-) -> list[Config]:
-    """Feasible configs of the space (all of them, or a sample and the neighbours of `around`)."""
+) -> tuple[list[Config], bool]:
+    """(feasible configs of the space, whether they are all of them): all of them where the walk
+    ended, else a sample and the neighbours of `around`, which may be fewer than `limit` (a walk
+    given up after EXAMINE_LIMIT looks where few configs are feasible) yet are not the space."""
     devices = recipe.hardware.devices
     every: list[Config] = []
     for looked, (config, feasible) in enumerate(space.walk(recipe, device), 1):
@@ -58,7 +60,7 @@ def candidates(
         if len(every) > limit or looked >= EXAMINE_LIMIT:
             break
     else:  # walked the whole space
-        return every
+        return every, True
     rng = random.Random(seed)
     seen: dict[Config, Config] = {}  # by the normalized config itself: equal exactly when keys are
     pool = itertools.chain(
@@ -76,4 +78,4 @@ def candidates(
         seen[config] = config
         if len(seen) >= limit:
             break
-    return list(seen.values())
+    return list(seen.values()), False

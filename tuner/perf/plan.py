@@ -208,7 +208,7 @@ def ranked_plan(
     best = sorted((o for o in same if o.tokens_per_s), key=lambda o: -(o.tokens_per_s or 0))[:3]
     # The baseline's neighbours are always ranked, even when the space is only sampled.
     around = [baseline_config(target, wide, space), *(o.config for o in best)]
-    every = candidates(space, target, wide, around=around)
+    every, _ = candidates(space, target, wide, around=around)
     works, feats = predictor.features(target, every)  # each estimate made once: verdict reuses it
     keep = [
         i

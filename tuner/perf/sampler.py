@@ -217,9 +217,11 @@ class ModelSampler(optuna.samplers.BaseSampler):
         if self._pool is not None:
             return self._pool
         top = [c for _, c in sorted(measured, key=lambda p: -p[0])[:3]]
-        pool = candidates(ctx.space, ctx.recipe, ctx.device, seed=self.seed + len(measured), around=top)
-        if len(pool) < 4000:
-            self._pool = pool  # the whole space: the same list every time
+        pool, whole = candidates(
+            ctx.space, ctx.recipe, ctx.device, seed=self.seed + len(measured), around=top
+        )
+        if whole:
+            self._pool = pool  # the whole space: the same list every time (and it may run out)
         return pool
 
     def _runnable(self, trials: list[FrozenTrial]) -> Callable[[list[Config]], list[Config]]:
@@ -229,7 +231,8 @@ class ModelSampler(optuna.samplers.BaseSampler):
         tried = set()
         for t in trials:
             config = _config_of(t.params) if t.params else None
-            fixed = _config_of(t.system_attrs.get(keys.FIXED_PARAMS) or {})
+            given = t.system_attrs.get(keys.FIXED_PARAMS)
+            fixed = _config_of(given) if given else None  # {} would read as the plain config
             tried.update(c.key() for c in (config, fixed) if c is not None)
             if t.user_attrs.get(keys.CONFIG_KEY):
                 tried.add(t.user_attrs[keys.CONFIG_KEY])
