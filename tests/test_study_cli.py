@@ -172,3 +172,23 @@ def test_plan_reads_the_database_only_and_makes_none(tmp_path, monkeypatch):
     missing = tmp_path / "none.db"
     result = runner.invoke(app, ["plan", recipe, "--top", "2", "--storage", f"sqlite:///{missing}"])
     assert result.exit_code == 0 and not missing.exists()
+
+
+def test_a_plan_with_nothing_to_rank_says_why(tmp_path, monkeypatch):
+    """It said "0 feasible configs ranked" and nothing else: the user could not tell the memory
+    budget from the shapes from the device count."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TUNER_DATABASE_URL", raising=False)
+    path = tmp_path / "tight.yaml"
+    path.write_text(
+        "name: tight\nmodel: {family: gpt, layers: 4, hidden: 128, heads: 4, seq_len: 128, vocab: 2048}\n"
+        "hardware: {device: cpu, devices: 2, memory_budget_gb: 0.01}\n"
+    )
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0 and "0 feasible configs ranked" in result.output
+    assert (
+        "nothing to rank: even the config with the smallest estimated peak is refused: predicted out of memory"
+        in (result.output.replace("\n", " "))
+    )
+    doc = json.loads(runner.invoke(app, ["plan", str(path), "--json"]).output)
+    assert doc["considered"] == 0 and "exceeds the 0.010 GiB budget" in doc["why_none"]

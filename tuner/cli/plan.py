@@ -43,6 +43,8 @@ def _print(result) -> None:
         f"{result.recipe} on {result.devices} devices: {result.considered} feasible configs ranked; "
         f"{note}{result.basis}"
     )
+    if result.why_none:
+        typer.echo(f"nothing to rank: {result.why_none}")
     for r in result.rows:
         low, high = r.tokens_per_s_interval
         measured = "" if r.measured_tokens_per_s is None else f"  measured {r.measured_tokens_per_s:,.0f}"

@@ -72,6 +72,7 @@ class Plan:
     considered: int  # feasible configs ranked
     basis: str  # one line: what the numbers rest on
     rows: list[PlanRow]
+    why_none: str | None = None  # when nothing is feasible: why (the config closest to fitting's reason)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -229,8 +230,22 @@ def ranked_plan(
         considered=len(pool),
         basis=_basis(observations, n, device, measured_ranks, catalogued),
         rows=rows,
+        why_none=None if pool else _why_none(space, target, wide, every, works, calibration),
     )
     return plan, order
+
+
+def _why_none(space, recipe: Recipe, device: DeviceInfo, every: list[Config], works, calibration) -> str:
+    """Why a plan found no config to rank: the reason the config with the smallest estimated peak
+    (the closest to fitting) was refused, else why no config of the space can run the recipe."""
+    if every:
+        i = min(range(len(every)), key=lambda j: works[j].peak_mem_bytes)
+        reason = verdict(every[i], recipe, device, calibration, est=works[i].estimate).reason
+        return f"even the config with the smallest estimated peak is refused: {reason}"
+    problem = space.shape_problem(recipe)
+    if problem is not None:
+        return f"{problem.field}: {problem.why}"
+    return "no config of the search space can run this recipe on these devices"
 
 
 def _space_name(recipe: Recipe, family: str, catalogued: str | None) -> str:
