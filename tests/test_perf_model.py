@@ -43,7 +43,7 @@ from tuner.perf.workload import stage_shares, step_work
 from tuner.recipe import recipe_from_dict
 from tuner.record import keys
 from tuner.result import TrialResult, TrialSpec
-from tuner.space import load_space
+from tuner.space import config_from_params, load_space
 from tuner.study import run_study
 
 CPU = dataclasses.replace(describe("cpu"), count=2, fast_dtypes=())
@@ -439,6 +439,35 @@ def test_model_sampler_runs_every_config_of_a_small_space_the_plain_one_too(tmp_
     ex = _study(recipe, f"sqlite:///{tmp_path}/t.db", tmp_path, trials=20)
     ran = {c.key() for c in ex.ran}
     assert Config().key() in ran and ran == {c.key() for c in space_configs(recipe)}
+
+
+def test_a_plan_leaves_out_what_ran_out_of_memory_as_the_study_does(tmp_path, priors):
+    """The plan judged feasibility without the study's OOM floor: a config that had run out of
+    memory on this machine was ranked (P(fit) 0.63), which `tuner tune` would have pruned."""
+    from tuner.perf.plan import make_plan
+    from tuner.study import run_study
+
+    class Tight(SyntheticExecutor):
+        def memory_ratio(self, config):  # the estimator under-predicts large micro-batches
+            return 1.1 if config.micro_batch_size < 8 else 1.6
+
+    doc = tiny(budget_gb=0.16)
+    doc["search"]["overrides"] = {
+        **OVERRIDES,
+        "micro_batch_size": [1, 2, 4, 8, 16],
+        "recompute": ["none", "full"],
+    }
+    recipe = recipe_from_dict(doc)
+    url = f"sqlite:///{tmp_path}/t.db"
+    run_study(recipe, storage_url=url, executor=Tight(recipe), trials=25, sampler="random", seed=0,
+              remeasure_top=0, workdir=tmp_path, progress=lambda e: None)  # fmt: skip
+    study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
+    ooms = {
+        config_from_params(t.params).key() for t in study.trials if t.user_attrs.get(keys.STATUS) == "oom"
+    }
+    assert ooms  # the premise: some configs ran out of memory
+    plan = make_plan(recipe, top=1000, storage_url=url, device=CPU)
+    assert plan.rows and not [r.rank for r in plan.rows if Config.from_params(r.config).key() in ooms]
 
 
 def test_recorded_priors_read_back_as_written_and_anything_else_is_not_used():

@@ -30,6 +30,7 @@ class Observation:
     rel_sd: float  # relative sd of the measured step time
     peak_mem_bytes: float | None  # the budget's peak (`tuner.result.budget_peak`)
     estimated_peak_mem_bytes: float | None
+    trial: int | None = None  # its trial number in its study, where it came from one
 
     @property
     def step_time_s(self) -> float:
@@ -58,7 +59,11 @@ def _usable(value: Any) -> bool:
 
 
 def observation(
-    recipe: Recipe, params: dict[str, Any], attrs: dict[str, Any], again: Sequence[float] = ()
+    recipe: Recipe,
+    params: dict[str, Any],
+    attrs: dict[str, Any],
+    again: Sequence[float] = (),
+    trial: int | None = None,
 ) -> Observation | None:
     """The trial's observation, or None when it holds nothing to learn from (never ran,
     duplicate, cancelled, unreadable). `again`: the study's re-measurements of the trial
@@ -86,6 +91,7 @@ def observation(
         rel_sd=relative_sd(attrs),
         peak_mem_bytes=float(peak) if peak else None,
         estimated_peak_mem_bytes=attrs.get(keys.ESTIMATED_PEAK_MEM_BYTES),
+        trial=trial,
     )
 
 
@@ -99,7 +105,7 @@ def study_observations(
     for t in trials:
         if not t.state.is_finished():
             continue
-        obs = observation(recipe, t.params, t.user_attrs, again.get(t.number, ()))
+        obs = observation(recipe, t.params, t.user_attrs, again.get(t.number, ()), t.number)
         if obs is not None:
             out.append(obs)
     return out

@@ -20,9 +20,9 @@ from tuner.perf.candidates import candidates
 from tuner.perf.observations import Observation, fingerprint_observations, same_model
 from tuner.perf.predictor import Predicted, Predictor
 from tuner.perf.priors import DevicePriors, device_priors
-from tuner.prune import calibration_factor, verdict
+from tuner.prune import calibration_factor, oom_floor, verdict
 from tuner.recipe import Recipe
-from tuner.record.status import OK
+from tuner.record.status import OK, OOM
 from tuner.space import SearchSpace, SpaceError, load_space
 
 MAX_DEVICES = 1 << 16
@@ -209,12 +209,18 @@ def ranked_plan(
     best = sorted((o for o in same if o.tokens_per_s), key=lambda o: -(o.tokens_per_s or 0))[:3]
     # The baseline's neighbours are always ranked, even when the space is only sampled.
     around = [baseline_config(target, wide, space), *(o.config for o in best)]
+    # What ran out of memory bounds what else may fit, as in the study (`oom_floor`).
+    floor = oom_floor(
+        (o.config, o.estimated_peak_mem_bytes, o.trial if o.trial is not None else -1)
+        for o in observations
+        if o.status == OOM and o.recipe.hash() == target.hash()
+    )
     every, _ = candidates(space, target, wide, around=around)
     works, feats = predictor.features(target, every)  # each estimate made once: verdict reuses it
     keep = [
         i
         for i, (c, w) in enumerate(zip(every, works, strict=True))
-        if verdict(c, target, wide, calibration, est=w.estimate).reason is None
+        if verdict(c, target, wide, calibration, floor, est=w.estimate).reason is None
     ]
     pool = [every[i] for i in keep]
     order = _order(predictor, target, pool, ([works[i] for i in keep], feats.take(keep)))
