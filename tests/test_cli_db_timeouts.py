@@ -163,3 +163,25 @@ def test_a_folder_that_cannot_be_written_is_refused_before_any_work_naming_its_o
     line = _text(runner.invoke(app, [a.format(bad=bad) for a in args]))
     assert line.startswith(f"error: {names}") and f"cannot write to the folder {bad}" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing ran, nothing stored
+
+
+@pytest.mark.parametrize("command", ["plan", "show", "build", "tune"])
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("mysql://x@localhost/y", "needs a database driver that is not installed"),
+        ("sqlite:///:memory:", "is an in-memory database"),
+    ],
+)
+def test_a_storage_url_no_study_can_live_in_is_one_line_naming_storage(
+    tmp_path, monkeypatch, command, url, says
+):
+    """A dialect without its driver ended in an ImportError traceback; an in-memory SQLite
+    database (one per connection) in `no such table: studies`."""
+    monkeypatch.chdir(tmp_path)
+    line = _text(
+        runner.invoke(
+            app, [command, RECIPE, "--storage", url, *(["--trials", "1"] if command == "tune" else [])]
+        )
+    )
+    assert line.startswith("error: --storage: ") and says in line

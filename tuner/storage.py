@@ -84,6 +84,11 @@ def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
     One object per URL per process: each RDBStorage owns an engine and a connection pool.
     """
     url = absolute_database_url(url or default_storage_url())
+    if url.startswith("sqlite") and sqlite_path(url) is None:
+        raise ValueError(
+            f"--storage: {url!r} is an in-memory database, gone with its connection (and every "
+            "connection gets its own); give a file, e.g. sqlite:///tuner.db"
+        )
     with _lock:
         storage = _storages.get(url)
         if storage is not None:
@@ -102,6 +107,11 @@ def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
             raise ValueError(f"--storage: {url!r} is not a database URL SQLAlchemy knows: {err}") from None
         except sqlalchemy.exc.OperationalError as err:
             raise ValueError(f"--storage: cannot connect to {url!r}: {err.orig}") from None
+        except ImportError as err:  # a dialect whose driver is not installed (mysql://, oracle://)
+            raise ValueError(
+                f"--storage: {url!r} needs a database driver that is not installed ({err}); use "
+                "sqlite:///PATH or postgresql+psycopg://USER@HOST/DB, or install the driver"
+            ) from None
         if url.startswith("sqlite"):
             sqlalchemy.event.listen(storage.engine, "connect", _on_sqlite_connect)
             storage.engine.dispose()  # reconnect so every pooled connection gets the pragmas

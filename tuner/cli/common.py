@@ -86,7 +86,8 @@ def storage_or_exit(url: str | None, create: bool = True) -> str:
     from tuner.storage import get_storage, missing_database, sqlite_path
 
     url = absolute_database_url(url) if url else database_url()
-    if not create and missing_database(url) and Path(sqlite_path(url) or "").parent.is_dir():
+    path = sqlite_path(url) if url.startswith("sqlite") else None
+    if not create and path and missing_database(url) and Path(path).parent.is_dir():
         return url
     try:
         get_storage(url)
