@@ -60,6 +60,10 @@ def recipe(devices=4, layers=4, heads=4, hidden=128, vocab=2048, gbs=16, ffn=Non
         ({"micro_batch_size": 3}, "micro_batch_size: 3 is not a power of two"),
         ({"loader_workers": -1}, "loader_workers: must be an integer >= 0"),
         ({"bucket_mb": 2.5}, "bucket_mb: 2.5 is not an integer"),
+        # accepted, then a torch Reducer dump in the trial; a process per worker
+        ({"bucket_mb": 10**14}, "bucket_mb: must be at most 1,048,576"),
+        ({"loader_workers": 100_000}, "loader_workers: must be at most 256"),
+        ({"tp": 2**40}, "tp: must be at most 2,147,483,647"),
     ],
 )
 def test_bad_knob_value_lists_what_is_valid(params, words):

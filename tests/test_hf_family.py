@@ -201,6 +201,8 @@ BAD_VALUES = {
     "window_zero": ({"sliding_window": 0}, "model.config.sliding_window", "positive whole number"),
     # was accepted, then stored as null (YAML .inf, JSON 1e400)
     "infinite_float": ({"initializer_range": float("inf")}, "model.config.initializer_range", "not a finite number"),
+    # was accepted; every trial then failed with torch's "dropout probability has to be between 0 and 1"
+    "dropout_over_one": ({"attention_dropout": 2.5}, "model.config.attention_dropout", "a number from 0 to 1"),
 }  # fmt: skip
 
 

@@ -43,6 +43,7 @@ BAD_DOCS = [
     ("missing name", with_("name", DELETE), "name", "required"),
     ("missing model size", with_("model.hidden", DELETE), "model.hidden", "required"),
     ("negative layers", with_("model.layers", -2), "model.layers", "greater than or equal to 1"),
+    ("an ffn no memory holds", with_("model.ffn", 10**26), "model.ffn", "less than or equal to 1048576"),
     ("hidden not divisible by heads", with_("model.heads", 5), "model", "divisible by heads"),
     ("unknown family", with_("model.family", "llama-from-url"), "model.family", "'gpt'"),
     ("bad device", with_("hardware.device", "tpu"), "hardware.device", "'cpu'"),

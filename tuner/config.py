@@ -22,6 +22,11 @@ class ConfigError(ValueError):
     """A knob name or value that does not exist. The message lists the valid choices."""
 
 
+# The largest value each integer knob takes: beyond it torch fails deep inside (a 1e14 MB DDP
+# bucket overflowed its Reducer's size) or the machine does (a process per loader worker).
+_INT_MAXIMUM = {"bucket_mb": 1_048_576, "loader_workers": 256, "micro_batch_size": 1_048_576}
+
+
 @dataclass(frozen=True)
 class Knob:
     name: str
@@ -54,6 +59,9 @@ class Knob:
             minimum = 0 if self.name == "loader_workers" else 1
             if value < minimum:
                 raise ConfigError(f"{self.name}: must be an integer >= {minimum}, got {value}")
+            maximum = _INT_MAXIMUM.get(self.name, 2**31 - 1)
+            if value > maximum:
+                raise ConfigError(f"{self.name}: must be at most {maximum:,}, got {value:,}")
         elif self.kind is float:
             if isinstance(raw, bool):
                 raise ConfigError(f"{self.name}: {raw!r} is not a number")

@@ -74,7 +74,10 @@ class ModelSpec(_Section):
     seq_len: int = Field(..., ge=2, le=1_048_576, description="Tokens per sample.")
     vocab: int = Field(..., ge=2, le=2_000_000, description="Vocabulary size.")
     ffn: int | None = Field(
-        None, ge=1, description="MLP inner size; null = the family's rule (gpt 4*hidden, llama 8/3*hidden)."
+        None,
+        ge=1,
+        le=1_048_576,
+        description="MLP inner size; null = the family's rule (gpt 4*hidden, llama 8/3*hidden).",
     )
     kv_heads: int | None = Field(
         None,
@@ -82,7 +85,10 @@ class ModelSpec(_Section):
         description="llama: key/value heads (grouped-query attention); null = heads; divides heads.",
     )
     ffn_multiple_of: int | None = Field(
-        None, ge=1, description="llama: ffn: null rounds 8/3*hidden up to this multiple; null = 256."
+        None,
+        ge=1,
+        le=65536,
+        description="llama: ffn: null rounds 8/3*hidden up to this multiple; null = 256.",
     )
     rope_theta: Real | None = Field(
         None, gt=0, description="llama: rotary position embedding base; null = 500000."

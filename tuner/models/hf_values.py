@@ -1,7 +1,7 @@
 """The values of a recipe's hf config, checked before transformers sees them (`tuner.models.hf.
 config_problems`): plain data only, no key that would load or run code, sizes within `ModelSpec`'s
-bounds, norm epsilons positive, a sliding window a positive count, activations ones transformers
-knows. Each problem is a (field, message) pair naming the fix."""
+bounds, norm epsilons positive, a sliding window a positive count, dropout rates probabilities,
+activations ones transformers knows. Each problem is a (field, message) pair naming the fix."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ SIZE_BOUNDS = {
 }
 ACTIVATION_KEYS = ("hidden_act", "hidden_activation")
 _EPS_KEY = re.compile(r"(^|_)eps(ilon)?($|_)")
+# Probabilities (dropout rates): torch refuses one outside [0, 1] in every trial's first step.
+_PROBABILITY_KEY = re.compile(r"(^|_)(dropout|drop_prob|dropout_rate|dropout_prob)($|_)|_pdrop$")
 
 
 def plain_problems(value: Any, where: str, out: list[tuple[str, str]]) -> None:
@@ -83,6 +85,12 @@ def _window_problem(value: Any) -> str | None:
     return None
 
 
+def _probability_problem(key: str, value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        return f"{value!r} is not a probability; set {key} to a number from 0 to 1 (0: no dropout)"
+    return None
+
+
 def value_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]:
     """The sizes, norm epsilons and activations a recipe gives, checked before transformers sees
     them (its config builds per-layer lists from the sizes, and takes a negative epsilon)."""
@@ -97,6 +105,8 @@ def value_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]:
             problem = _eps_problem(key, value)
         elif key == "sliding_window":
             problem = _window_problem(value)
+        elif _PROBABILITY_KEY.search(key):
+            problem = _probability_problem(key, value)
         elif key in ACTIVATION_KEYS and isinstance(value, str):
             from transformers.activations import ACT2FN
 
