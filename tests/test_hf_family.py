@@ -146,6 +146,16 @@ def test_a_model_transformers_runs_with_eager_attention_only_is_neither_listed_n
                                    "only, and the tuner drives SDPA's kernels; this model_type is not supported")]  # fmt: skip
 
 
+def test_a_model_whose_forward_the_decoder_does_not_follow_is_not_listed():
+    """doge and phi4_multimodal were listed by `tuner models` and offered to a wrong model_type,
+    then refused ("the tuner's decoder cannot run it yet")."""
+    from tuner.models.catalog import models_catalog
+    from tuner.models.hf_layout import UNFOLLOWED
+
+    (hf,) = [f for f in models_catalog()["families"] if f["name"] == "hf"]
+    assert set(UNFOLLOWED) and not set(UNFOLLOWED) & set(hf["model_types"])
+
+
 def test_splits_the_model_cannot_run_are_infeasible_with_the_reason():
     recipe = _recipe(CONFIGS["qwen2"])
     assert shape_reasons(Config.from_params({"tp": 2}), recipe) == []

@@ -73,8 +73,12 @@ def supported_types() -> tuple[str, ...]:
 def listed_types() -> tuple[str, ...]:
     """The model types the tuner takes: `supported_types` that run SDPA attention (`runs_sdpa`).
     What `tuner models` lists and a wrong model_type is told to choose from; it imports every
-    one's modeling module (about 1.6 s), so a recipe's own check asks `runs_sdpa` of its type only."""
-    return tuple(t for t in supported_types() if runs_sdpa(t))
+    one's modeling module (about 1.6 s), so a recipe's own check asks `runs_sdpa` of its type only.
+    Types whose forward the decoder does not follow (`hf_layout.UNFOLLOWED`) are refused, so not
+    listed either."""
+    from tuner.models.hf_layout import UNFOLLOWED
+
+    return tuple(t for t in supported_types() if t not in UNFOLLOWED and runs_sdpa(t))
 
 
 @functools.cache
