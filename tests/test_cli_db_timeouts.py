@@ -145,6 +145,8 @@ def test_tune_refuses_a_seed_samplers_cannot_take_before_anything_starts(tmp_pat
         (["build", RECIPE, "--out", "{bad}"], {}, "--out"),
         (["build", RECIPE], {"TUNER_ARTIFACT_DIR": "{bad}"}, "TUNER_ARTIFACT_DIR"),
         (["nightly", str(Path(RECIPE).parent / "nightly"), "--local", "--report", "{bad}"], {}, "--report"),
+        (["worker", "--once"], {"TUNER_RUNS_DIR": "{bad}"}, "TUNER_RUNS_DIR"),
+        (["worker", "--once"], {"TUNER_ARTIFACT_DIR": "{bad}"}, "TUNER_ARTIFACT_DIR"),
     ],
 )
 def test_a_folder_that_cannot_be_written_is_refused_before_any_work_naming_its_option(

@@ -16,7 +16,7 @@ import time
 
 import typer
 
-from tuner.cli.common import executor_name_or_exit, fail
+from tuner.cli.common import executor_name_or_exit, fail, writable_dir_or_exit
 from tuner.executors.nodes import free_port
 
 _PR_SET_PDEATHSIG = 1
@@ -107,9 +107,14 @@ def _settings_or_exit(**changes: object):
     from tuner.settings import Settings, SettingsError
 
     try:
-        return Settings.from_env().with_paths(**{k: v for k, v in changes.items() if v is not None})
+        settings = Settings.from_env().with_paths(**{k: v for k, v in changes.items() if v is not None})
     except SettingsError as err:
         fail(str(err))
+    # The folders jobs write, before the first job: a runs folder that cannot be made failed
+    # every job's trials, each stored as its config's error.
+    writable_dir_or_exit(settings.runs_dir, "TUNER_RUNS_DIR (default ./runs: the trials' logs)")
+    writable_dir_or_exit(settings.artifact_dir, "TUNER_ARTIFACT_DIR (default ./builds)")
+    return settings
 
 
 def serve(
