@@ -229,6 +229,26 @@ def test_fit_recovers_known_coefficients_and_its_interval_covers_held_back_point
     assert 0.8 <= coverage <= 0.99, f"90% interval covered {coverage:.0%} of held-back points"
 
 
+def test_the_interval_covers_a_new_measurement_when_trials_report_their_noise_honestly():
+    """The misfit is fitted beyond each trial's own measurement sd, and the interval of a new
+    measurement left that sd out: trials reporting their true 8% noise got intervals that
+    covered 71-75% of fresh measurements."""
+    recipe = recipe_from_dict(tiny())
+    configs = space_configs(recipe)
+    rng = np.random.default_rng(1)
+    f = features([step_work(recipe, c, CPU) for c in configs], configs, PRIORS)
+    noise = 0.08
+    truth = predict_log(true_theta(), f)
+    order = rng.permutation(len(configs))
+    train, held = order[:150], order[150:]
+    y = truth + rng.normal(0, noise, len(configs))
+    fitted = fit(f.take(train), y[train], np.full(len(train), noise), PRIORS)
+    p = fitted.predict(f.take(held))
+    fresh = truth[held] + rng.normal(0, noise, len(held))  # a new measurement of each
+    coverage = float(np.mean(np.abs(fresh - p.mean) <= 1.645 * p.sd))
+    assert 0.8 <= coverage <= 0.99, f"90% interval covered {coverage:.0%} of new measurements"
+
+
 class SyntheticExecutor(Executor):
     """Answers every trial from the true coefficients (+3% noise); over-budget configs OOM."""
 

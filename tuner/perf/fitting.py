@@ -41,6 +41,9 @@ class Fit:
     sigma: float  # misfit sd (log units)
     n: int  # observations it was fitted to
     dof: float  # n minus the effective number of fitted coefficients
+    # A new measurement's own scatter (log units): the median of the fitted trials' measurement sds.
+    # `sigma` is the misfit beyond them, so the interval of a measurement needs both.
+    measurement_sd: float = 0.0
 
     def coefficients(self) -> dict[str, float]:
         return dict(zip(COEF_NAMES, (float(v) for v in self.theta), strict=True))
@@ -50,7 +53,7 @@ class Fit:
         jac = _jacobian(self.theta, f, mean)
         var = np.einsum("ij,jk,ik->i", jac, self.cov, jac)
         sd_coef = np.sqrt(np.maximum(var, 0.0))
-        return Prediction(mean, sd_coef, np.sqrt(sd_coef**2 + self.sigma**2))
+        return Prediction(mean, sd_coef, np.sqrt(sd_coef**2 + self.sigma**2 + self.measurement_sd**2))
 
 
 def _jacobian(theta: np.ndarray, f: Features, base: np.ndarray, eps: float = 1e-5) -> np.ndarray:
@@ -97,7 +100,7 @@ def fit(
         sigma = max(sigma, 0.01)
     var = sigma**2 + rel_sd**2
     theta, a, _ = _map(f, log_step, var, theta, mu, lam)
-    return Fit(theta, np.linalg.inv(a), sigma, n, dof)
+    return Fit(theta, np.linalg.inv(a), sigma, n, dof, float(np.median(rel_sd)))
 
 
 def _objective(theta, f, y, var, mu, lam) -> float:
