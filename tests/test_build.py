@@ -131,6 +131,14 @@ def test_kernels_are_real_generated_cpp_for_each_rank_with_an_index(built):
     config = json.loads((d / "config.json").read_text())
     assert config["config"]["dp"] == 2 and config["built_config"]["compile"] == "default"
     assert config["measured"]["tokens_per_s"] > 0
+    # The record says what launch.sh runs (the eager winner, as measured) beside what was compiled:
+    # it showed only compile=default, which launch.sh does not run.
+    record = built["record"]
+    assert (
+        record["config"]["compile"] == "default" and record["launch_config"].get("compile", "none") == "none"
+    )
+    spec = json.loads((d / "spec.json").read_text())
+    assert spec["config"]["compile"] == "none"
 
 
 def test_summary_gives_compiled_and_eager_numbers(built):

@@ -44,6 +44,9 @@ class BuildRecord:
     compile_warm_cpu_s: float | None = None
     summary: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)  # the knob setting that was compiled
+    # What launch.sh runs: the trial's measured config (eager where the winner was; the build
+    # compiled it to compare and to ship its kernels).
+    launch_config: dict[str, Any] = field(default_factory=dict)
     kernels: int = 0
     build_id: int | None = None  # row in the builds table, when registered
 

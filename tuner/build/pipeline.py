@@ -145,6 +145,7 @@ def _record(p: _Plan, ph: _Phases) -> BuildRecord:
         compiled_tokens_per_s=ph.cold.tokens_per_s if p.compiled else None,
         eager_tokens_per_s=info["eager"]["tokens_per_s"],
         compile_cold_s=info.get("compile_s"), compile_warm_s=warm.get("compile_s"), config=p.built.active_params(),
+        launch_config=p.config.active_params(),
         compile_cold_cpu_s=(info.get("compile_cpu") or {}).get("in_process_s"),
         compile_warm_cpu_s=(warm.get("compile_cpu") or {}).get("in_process_s"),
     )  # fmt: skip

@@ -146,13 +146,23 @@ def _print_record(record) -> None:
     table.add_column(overflow="fold")  # paths and checksums are copied whole, never cut short
     # The parallel split and every knob away from its default: what makes this config this one.
     plain = Config().to_dict()
-    config = " ".join(
-        f"{k}={v}" for k, v in record.config.items() if k in ("dp", "tp", "pp") or plain.get(k) != v
-    )
+
+    def shown(knobs: dict) -> str:
+        return " ".join(f"{k}={v}" for k, v in knobs.items() if k in ("dp", "tp", "pp") or plain.get(k) != v)
+
     eager, compiled = record.eager_tokens_per_s, record.compiled_tokens_per_s
     speed = f"{compiled / eager:.2f}x" if eager and compiled else "-"
+    launched = record.launch_config or record.config
+    rows = [("config compiled", shown(record.config))]
+    if launched != record.config:  # an eager winner: compiled to compare, launched as measured
+        rows.append(
+            (
+                "launch.sh runs",
+                f"{shown(launched)} (as measured; set compile in spec.json to use the kernels)",
+            )
+        )
     for name, value in [
-        ("config", config),
+        *rows,
         ("eager tokens/s", _fmt(eager)),
         ("compiled tokens/s", _fmt(compiled)),
         ("compiled / eager", speed),
