@@ -40,3 +40,16 @@ def test_launch_sh_unpacks_the_kernels_only_after_the_cpu_check():
     guard = 'if [ -f compiled-kernels.tar ] && "$py" -m tuner.build.cpu_match config.json; then'
     assert guard in script and script.index('py="${PYTHON:-python3}"') < script.index(guard)
     assert script.index(guard) < script.index("tar -xf compiled-kernels.tar")
+
+
+def test_each_rank_loads_its_own_compile_cache_where_the_build_shipped_one(tmp_path):
+    """launch.sh pointed every rank at compile-cache.bin while config.json mapped rank 1 to
+    compile-cache-rank1.bin: a rank whose graphs differ (a pipeline stage) recompiled them all."""
+    from tuner import compile_cache
+
+    shared = tmp_path / compile_cache.SHARED
+    shared.write_bytes(b"0")
+    (tmp_path / compile_cache.rank_file(1)).write_bytes(b"1")
+    assert compile_cache.for_rank(shared, 0) == shared
+    assert compile_cache.for_rank(shared, 1) == tmp_path / "compile-cache-rank1.bin"
+    assert compile_cache.for_rank(shared, 2) == shared  # compiled what rank 0 did: no file of its own

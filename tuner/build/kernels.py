@@ -12,6 +12,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+from tuner import compile_cache
 from tuner.build.base import KERNELS_TAR
 
 # A kernel definition in Inductor's generated module: `name = async_compile.<kind>(..., '''source''')`.
@@ -159,7 +160,7 @@ def collect_compiled(cold: Path, stage: Path, world: int) -> tuple[list[dict[str
             continue  # nothing compiled on this rank, nothing to cache
         # Symmetric ranks (dp, tp) usually compile identical graphs: ship one cache for them.
         same = rank0.is_file() and blob.read_bytes() == rank0.read_bytes()
-        caches[f"rank{r}"] = "compile-cache.bin" if r == 0 or same else f"compile-cache-rank{r}.bin"
+        caches[f"rank{r}"] = compile_cache.SHARED if r == 0 or same else compile_cache.rank_file(r)
         shutil.copy(blob, stage / caches[f"rank{r}"])
     (stage / "kernels" / "index.json").write_text(json.dumps(index, indent=1))
     if (cold / KERNELS_TAR).is_file():

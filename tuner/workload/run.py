@@ -21,7 +21,8 @@ Measurement hook:
   reads that figure (its `allocated`) from one untimed step after the timed ones (`HeldMemory`).
 
 Build hook (a build's launch.sh sets it, next to TORCHINDUCTOR_CACHE_DIR):
-- `TUNER_COMPILE_CACHE=<file>`: load this portable compile cache (a build's compile-cache.bin, from
+- `TUNER_COMPILE_CACHE=<file>`: load this portable compile cache (a build's compile-cache.bin, or a
+  rank's own compile-cache-rank<R>.bin beside it, `tuner.compile_cache`; from
   `torch.compiler.save_cache_artifacts`) once, before the model is compiled.
 """
 
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tuner import compile_cache
 from tuner.config import Config
 from tuner.devices import alloc_env, describe, is_oom, peak_tflops, synchronize
 from tuner.memory import (
@@ -246,8 +248,8 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
     config = spec.config
     set_rank_threads(env, config.get("cpu_affinity", "none"))
     cache = os.environ.get("TUNER_COMPILE_CACHE")
-    if cache:
-        torch.compiler.load_cache_artifacts(Path(cache).read_bytes())
+    if cache:  # the rank's own cache where the build shipped one (its graphs differ), else the shared
+        torch.compiler.load_cache_artifacts(compile_cache.for_rank(Path(cache), env.rank).read_bytes())
     train = Training.from_spec(spec, env)
     if env.rank == 0:
         print(f"trial {spec.tag or '-'}: {env.world_size} ranks, {torch.get_num_threads()} threads/rank, "
