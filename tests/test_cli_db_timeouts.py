@@ -187,3 +187,14 @@ def test_a_storage_url_no_study_can_live_in_is_one_line_naming_storage(
         )
     )
     assert line.startswith("error: --storage: ") and says in line
+
+
+def test_a_knob_set_twice_is_refused_and_one_the_config_does_not_use_is_named(tmp_path, monkeypatch):
+    """`--set tp=1 --set tp=2` ran the last silently; `--set sequence_parallel=true` with tp=1 was
+    dropped from the config without a word."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tuner.cli.measure.executor_or_exit", _no_start)
+    line = _text(runner.invoke(app, ["measure", RECIPE, "--set", "tp=1", "--set", "tp=2"]))
+    assert line == "error: --set tp given twice (1 and 2); give it once"
+    result = runner.invoke(app, ["measure", RECIPE, "--set", "sequence_parallel=true", "--set", "tp=1"])
+    assert "note: --set sequence_parallel has no effect here; it applies with tp > 1" in result.output

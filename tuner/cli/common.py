@@ -112,8 +112,24 @@ def parse_sets(sets: list[str]) -> dict[str, Any]:
         if "=" not in item:
             fail(f"--set {item!r}: expected name=value, e.g. --set tp=2; knobs: {', '.join(KNOBS)}")
         name, value = item.split("=", 1)
+        if name.strip() in out and out[name.strip()] != value.strip():
+            fail(f"--set {name.strip()} given twice ({out[name.strip()]} and {value.strip()}); give it once")
         out[name.strip()] = value.strip()
     return out
+
+
+def warn_unused_sets(given: dict[str, Any], config) -> None:
+    """Say which `--set` knobs the config does not use (a conditional knob whose condition does not
+    hold: sequence_parallel with tp=1, bucket_mb with dp=1), instead of dropping them silently."""
+    from tuner.config import KNOBS
+
+    active = config.active_params()
+    for name in given:
+        if name in KNOBS and name not in active:
+            when = KNOBS[name].applies or "another config"
+            err_console.print(
+                f"[yellow]note:[/] --set {name} has no effect here; it applies with {when}", highlight=False
+            )
 
 
 def executor_name_or_exit(name: str | None) -> None:

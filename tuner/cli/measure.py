@@ -22,6 +22,7 @@ from tuner.cli.common import (
     load_recipe_or_exit,
     parse_sets,
     refuse_renamed_timeout,
+    warn_unused_sets,
     writable_dir_or_exit,
 )
 from tuner.record.status import OK
@@ -97,10 +98,12 @@ def measure(
     profile, workdir = absolute(profile), absolute(workdir)
     if device is not None and device not in ("cpu", "cuda", "npu", "auto"):
         fail(f"--device: unknown device {device!r}; use one of cpu, cuda, npu, auto")
+    given = parse_sets(sets)
     try:
-        config = default_config(recipe.hardware.devices, parse_sets(sets))
+        config = default_config(recipe.hardware.devices, given)
     except ConfigError as err:
         fail(f"--set {err}")
+    warn_unused_sets(given, config)
     if executor == "ray" and profile is not None:
         fail(
             "--profile: the trace would stay on the node that ran the trial; profile with the local executor"
