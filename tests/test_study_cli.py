@@ -192,3 +192,22 @@ def test_a_plan_with_nothing_to_rank_says_why(tmp_path, monkeypatch):
     )
     doc = json.loads(runner.invoke(app, ["plan", str(path), "--json"]).output)
     assert doc["considered"] == 0 and "exceeds the 0.010 GiB budget" in doc["why_none"]
+
+
+def test_show_refuses_a_study_of_another_recipe(tmp_path):
+    """`tuner show llama.yaml --study <gpt's study>` showed the gpt study under the llama recipe."""
+    url = f"sqlite:///{tmp_path}/t.db"
+    recipe = make_recipe("cli-show-other", overrides={**NARROW, "micro_batch_size": [1, 2]})
+    summary = run_study(
+        recipe, storage_url=url, executor=FakeExecutor(), trials=2, sampler="grid", workdir=tmp_path
+    )
+    same, other = tmp_path / "same.yaml", tmp_path / "other.yaml"
+    same.write_text(
+        yaml.safe_dump({**recipe.to_dict(), "name": "renamed"})
+    )  # the name is not what it measures
+    doc = recipe.to_dict()
+    other.write_text(yaml.safe_dump({**doc, "model": {**doc["model"], "layers": 2}}))
+    ok = runner.invoke(app, ["show", str(same), "--storage", url, "--study", summary.study_name, "--json"])
+    assert ok.exit_code == 0 and json.loads(ok.output)["study_name"] == summary.study_name
+    refused = runner.invoke(app, ["show", str(other), "--storage", url, "--study", summary.study_name])
+    assert refused.exit_code == 2 and "measured another recipe than" in " ".join(refused.output.split())

@@ -187,19 +187,38 @@ def show(
     recipe = load_recipe_or_exit(recipe_path)
     at_least_one_or_exit("--top", top)
     url = storage_or_exit(storage, create=False)  # it reads the database only: never makes one
+    from tuner.db import session_scope
+    from tuner.record.reader import read_study
     from tuner.storage import missing_database
     from tuner.study import study_name
-    from tuner.summary import summarize
+    from tuner.summary import summarize_record
 
+    given = study is not None
     if study is None:
         study = study_name(recipe, described_or_exit(recipe, executor)[0].fingerprint)
-    try:
-        if missing_database(url):
-            raise KeyError(study)
-        summary = summarize(study, url, top_k=top)
-    except KeyError:
+    record = None
+    if not missing_database(url):
+        with session_scope(url) as session:
+            record = read_study(session, study)
+    if record is None:
         fail(f"no study {study!r} in {url}; run `tuner tune {recipe_path}` first (or pass --storage/--study)")
-    _report(summary, as_json, top)
+    if given and not _same_recipe(record.recipe, recipe):
+        fail(
+            f"--study {study!r} measured another recipe than {recipe_path} (its model, training, hardware "
+            "or measurement differ); pass the recipe it ran, or leave --study out"
+        )
+    _report(summarize_record(record, url, top_k=top), as_json, top)
+
+
+def _same_recipe(stored: dict, recipe) -> bool:
+    """Whether a study's stored recipe measures what `recipe` does (`Recipe.hash`: not its name or
+    search budget, so a nightly's study of the recipe counts)."""
+    from tuner.recipe import RecipeError, recipe_from_dict
+
+    try:
+        return recipe_from_dict(stored).hash() == recipe.hash()
+    except (RecipeError, ValueError, TypeError):
+        return True  # a study written by another version: shown, as before
 
 
 class _LiveProgress:
