@@ -62,7 +62,9 @@ def test_db_current_still_reads_a_good_url(tmp_path, monkeypatch):
     result = runner.invoke(app, ["db", "current", "--database-url", "sqlite:///fresh.db"])
     assert result.exit_code == 0, result.output
     assert result.output.startswith("empty (behind "), result.output
-    assert (tmp_path / "fresh.db").is_file()  # the relative file, in the current folder
+    # The relative file, in the current folder; a look at it does not make it.
+    assert f"no database at {tmp_path / 'fresh.db'} yet" in result.output
+    assert not (tmp_path / "fresh.db").exists()
 
 
 def _no_start(*args, **kwargs):
@@ -198,3 +200,35 @@ def test_a_knob_set_twice_is_refused_and_one_the_config_does_not_use_is_named(tm
     assert line == "error: --set tp given twice (1 and 2); give it once"
     result = runner.invoke(app, ["measure", RECIPE, "--set", "sequence_parallel=true", "--set", "tp=1"])
     assert "note: --set sequence_parallel has no effect here; it applies with tp > 1" in result.output
+
+
+def test_db_upgrade_refuses_another_programs_database_and_db_current_makes_none(tmp_path, monkeypatch):
+    """`tuner db upgrade` migrated into a database holding another program's tables, which plan,
+    show and tune refuse; `tuner db current` of a file not there created it empty."""
+    import sqlite3
+
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "mlflow.db"
+    with sqlite3.connect(other) as con:
+        con.execute("CREATE TABLE experiments (id INTEGER)")
+    line = _text(runner.invoke(app, ["db", "upgrade", "--database-url", f"sqlite:///{other}"]))
+    assert (
+        line.startswith("error: --database-url: ") and "holds another program's tables (experiments)" in line
+    )
+    with sqlite3.connect(other) as con:
+        assert [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")] == [
+            "experiments"
+        ]
+    result = runner.invoke(app, ["db", "current", "--database-url", f"sqlite:///{tmp_path}/none.db"])
+    assert result.exit_code == 0 and "empty (behind " in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
+
+
+def test_token_list_and_revoke_make_no_database(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TUNER_DATABASE_URL", "sqlite:///tokens.db")
+    listed = runner.invoke(app, ["token", "list"])
+    assert listed.exit_code == 0 and listed.output.startswith("no tokens")
+    line = _text(runner.invoke(app, ["token", "revoke", "ci"]))
+    assert line == "error: no token named 'ci': there is no database yet (see TUNER_DATABASE_URL)"
+    assert list(tmp_path.iterdir()) == []

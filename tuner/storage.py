@@ -51,7 +51,9 @@ def _enable_wal(path: str) -> None:
 OWN_TABLES = ("studies", "jobs")
 
 
-def _refuse_another_programs(url: str) -> None:
+def refuse_another_programs(
+    url: str, name: str = "--storage", other: str = "another --storage, or TUNER_DATABASE_URL"
+) -> None:
     """Refuse a database that holds tables and none of the tuner's (another program's, such as
     MLflow's `sqlite:///mlflow.db`): Optuna would add its tables beside them, then stop on the
     other program's schema version with a traceback that suggests updating Optuna."""
@@ -68,8 +70,8 @@ def _refuse_another_programs(url: str) -> None:
     if tables and not tables & set(OWN_TABLES):
         shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
         raise ValueError(
-            f"--storage: {url!r} holds another program's tables ({shown}) and none of the tuner's; "
-            "give the tuner a database of its own (another --storage, or TUNER_DATABASE_URL)"
+            f"{name}: {url!r} holds another program's tables ({shown}) and none of the tuner's; "
+            f"give the tuner a database of its own ({other})"
         )
 
 
@@ -93,7 +95,7 @@ def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
         storage = _storages.get(url)
         if storage is not None:
             return storage
-        _refuse_another_programs(url)  # before anything changes in it (WAL mode is the file's)
+        refuse_another_programs(url)  # before anything changes in it (WAL mode is the file's)
         if url.startswith("sqlite"):
             path = sqlite_path(url)
             if path:

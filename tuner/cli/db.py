@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -61,8 +62,13 @@ def upgrade_cmd(
 
     from tuner.db import DatabaseError
     from tuner.migrations import prepare_database
+    from tuner.storage import refuse_another_programs
 
     url, name = _url_or_exit(ctx, database_url)
+    try:
+        refuse_another_programs(url, name, f"another {name}")  # as every command: never into another's
+    except ValueError as err:
+        fail(str(err))
     try:
         before, after = prepare_database(url)  # Optuna's tables too: one database, one command
     except DatabaseError as err:
@@ -94,8 +100,15 @@ def current_cmd(
 
     from tuner.db import DatabaseError
     from tuner.migrations import current_revision, head_revision
+    from tuner.storage import missing_database, sqlite_path
 
     url, name = _url_or_exit(ctx, database_url)
+    path = sqlite_path(url) if url.startswith("sqlite") else None
+    if path and missing_database(url) and Path(path).parent.is_dir():  # a look makes no file
+        typer.echo(
+            f"empty (behind {head_revision()}; no database at {path} yet: `tuner db upgrade` creates it)"
+        )
+        return
     try:
         rev = current_revision(url)
     except DatabaseError as err:

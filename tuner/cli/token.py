@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from tuner.cli.common import fail
@@ -19,6 +21,17 @@ def _session():
     from tuner.db import session_scope
 
     return session_scope()
+
+
+def _no_database_yet() -> bool:
+    """A SQLite file that is not there (in a folder that is): a listing or a revoke finds nothing in
+    it, and looking must not create it."""
+    from tuner.settings import database_url
+    from tuner.storage import missing_database, sqlite_path
+
+    url = database_url()
+    path = sqlite_path(url) if url.startswith("sqlite") else None
+    return bool(path) and missing_database(url) and os.path.isdir(os.path.dirname(path))
 
 
 def _ready() -> None:
@@ -71,6 +84,9 @@ def list_cmd() -> None:
     """
     from api.auth import list_tokens
 
+    if _no_database_yet():
+        typer.echo("no tokens; create one with `tuner token create --name NAME`")
+        return
     _ready()
     with _session() as session:
         rows = [(t.name, t.created_at, t.revoked_at) for t in list_tokens(session)]
@@ -91,6 +107,8 @@ def revoke_cmd(name: str = typer.Argument(..., help="The token's name (see `tune
     """
     from api.auth import TokenError, revoke_token
 
+    if _no_database_yet():
+        fail(f"no token named {name!r}: there is no database yet (see TUNER_DATABASE_URL)")
     _ready()
     try:
         with _session() as session:
