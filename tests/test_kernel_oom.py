@@ -118,23 +118,31 @@ def test_cpu_memory_is_the_containers_limit_where_that_is_smaller():
     assert int(run.stdout) == 1200 * 2**20 < machine
 
 
-def test_a_rank_the_kernels_oom_killer_ends_is_an_oom_with_the_fix(tmp_path):
+def _measure_in_a_small_cgroup(tmp_path: Path, fault: dict[str, str], *args: str) -> dict:
+    """`tuner measure` of the tiny recipe in a 1,200 MiB memory cgroup with a fault that allocates
+    past it: its JSON document, after checking it exited 1 as an oom."""
     if oom_kills() is None:
         pytest.skip("the kernel's oom_kill count is not readable here")
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
-    env = {**os.environ, "TUNER_TEST_FAULT": "alloc:3000", "TUNER_TEST_FAULT_RANK": "1"}
     with memory_cgroup(1200 * 2**20) as group:
         run = subprocess.run(
             ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
-            + [sys.executable, "-m", "tuner.cli.main", "measure", "tiny.yaml", "--json"],
+            + [sys.executable, "-m", "tuner.cli.main", "measure", "tiny.yaml", *args, "--json"],
             cwd=tmp_path,
-            env=env,
+            env={**os.environ, **fault},
             capture_output=True,
             text=True,
             timeout=240,
         )
     doc = json.loads(run.stdout)
     assert run.returncode == 1 and doc["status"] == OOM, doc["error"]
+    return doc
+
+
+def test_a_rank_the_kernels_oom_killer_ends_is_an_oom_with_the_fix(tmp_path):
+    doc = _measure_in_a_small_cgroup(
+        tmp_path, {"TUNER_TEST_FAULT": "alloc:3000", "TUNER_TEST_FAULT_RANK": "1"}
+    )
     assert "rank 1 was killed by the kernel's out-of-memory killer" in doc["error"]
     assert "micro_batch_size" in doc["error"]
 
@@ -142,23 +150,9 @@ def test_a_rank_the_kernels_oom_killer_ends_is_an_oom_with_the_fix(tmp_path):
 def test_a_loader_worker_the_kernels_oom_killer_ends_is_an_oom(tmp_path):
     """The killer took a rank's data-loader worker, not the rank: the rank reported "DataLoader
     worker ... exited unexpectedly" and the trial was an `error` the memory model never saw."""
-    if oom_kills() is None:
-        pytest.skip("the kernel's oom_kill count is not readable here")
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
-    env = {**os.environ, "TUNER_TEST_FAULT": "loader-alloc:3000"}
-    command = ["measure", "tiny.yaml", "--set", "loader_workers=1", "--json"]
-    with memory_cgroup(1200 * 2**20) as group:
-        run = subprocess.run(
-            ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
-            + [sys.executable, "-m", "tuner.cli.main", *command],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-    doc = json.loads(run.stdout)
-    assert run.returncode == 1 and doc["status"] == OOM, doc["error"]
+    doc = _measure_in_a_small_cgroup(
+        tmp_path, {"TUNER_TEST_FAULT": "loader-alloc:3000"}, "--set", "loader_workers=1"
+    )
     assert "a process it started was killed, and the kernel's out-of-memory killer" in doc["error"]
     assert "DataLoader worker" in doc["error"] and "loader_workers" in doc["error"]
 
