@@ -224,6 +224,9 @@ def test_table_sorts_filters_and_pages_on_the_server(client, db):
     assert oom["total"] == first["status_counts"]["oom"] > 0
     assert {t["status"] for t in oom["items"]} == {"oom"}
 
+    # A misspelt status was an empty page with 200, where /v1's trials say 422 (one rule for both).
+    typo = client.get(path, params={"status": "oomm"}, headers=db["auth"])
+    assert typo.status_code == 422 and "status" in {e["field"] for e in typo.json()["errors"]}
     both = _get(client, db, path, status=["oom", "error"], knob="recompute:none", size=200)
     assert both["items"] and all(t["params"]["recompute"] == "none" for t in both["items"])
     assert {t["status"] for t in both["items"]} <= {"oom", "error"}

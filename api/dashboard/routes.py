@@ -19,6 +19,7 @@ from api.routes.studies import StudyName, get_study
 from api.schemas import JobId
 from tuner.db import Job
 from tuner.record.reader import StudyRecord, read_study, with_all_attrs
+from tuner.record.status import STATUSES
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -113,6 +114,11 @@ def _table_query(
     status: Annotated[list[str], Query(description="ok, oom, error, timeout, pruned, running, ...")] = (),
     knob: Annotated[list[str], Query(description="name:value, e.g. recompute:full")] = (),
 ) -> dict:
+    unknown = [s for s in status if s not in STATUSES]
+    if unknown:  # as /v1's trials: a filter that matches nothing by its spelling is an error
+        raise ApiError(
+            422, f"status={unknown[0]!r} is no status word", [("status", f"one of {', '.join(STATUSES)}")]
+        )
     return {"page": page, "size": size, "sort": sort, "statuses": list(status), "knob": list(knob)}
 
 
