@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +43,23 @@ def _field(loc: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
+_DIGITS = re.compile(r"^\^\[0-9\]\{(\d+),(\d+)\}\$$")
+_CHOICES = re.compile(r"^\^\(([^()]*)\)\$$")
+
+
+def _message(e: dict[str, Any]) -> str:
+    """Pydantic's message, except where it shows the user a regular expression: a pattern of
+    digits or of alternatives says what to send instead."""
+    msg = e.get("msg", "invalid value")
+    pattern = (e.get("ctx") or {}).get("pattern") if e.get("type") == "string_pattern_mismatch" else None
+    if pattern:
+        if m := _DIGITS.match(pattern):
+            return f"must be a whole number of {m.group(1)} to {m.group(2)} digits"
+        if m := _CHOICES.match(pattern):
+            return f"must be one of {', '.join(m.group(1).split('|'))}"
+    return msg
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, err: ApiError) -> JSONResponse:
@@ -49,7 +67,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, err: RequestValidationError) -> JSONResponse:
-        errors = [(_field(e.get("loc", ())), e.get("msg", "invalid value")) for e in err.errors()]
+        errors = [(_field(e.get("loc", ())), _message(e)) for e in err.errors()]
         fields = ", ".join(f for f, _ in errors if f) or "request"
         return JSONResponse(error_body(f"invalid {fields}", errors), 422)
 

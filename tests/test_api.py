@@ -611,3 +611,14 @@ def test_health_readiness_and_search_spaces(client, auth, url):
         resp = c.get("/readyz")
         assert resp.status_code == 503 and "RAY_ADDRESS" in resp.json()["checks"]["executor"]["detail"]
     assert client.get("/", follow_redirects=False).status_code in (302, 307)
+
+
+def test_a_422_says_what_to_send_instead_of_showing_a_regex(client, auth):
+    """`cursor=abc` answered "String should match pattern '^[0-9]{1,12}$'"."""
+    cursor = client.get("/v1/jobs?cursor=abc", headers=auth)
+    assert (
+        cursor.status_code == 422 and _fields(cursor)["cursor"] == "must be a whole number of 1 to 12 digits"
+    )
+    job_id = _submit(client, auth).json()["id"]
+    sort = client.get(f"/v1/jobs/{job_id}/trials?sort=speed", headers=auth)
+    assert _fields(sort)["sort"] == "must be one of number, -number, tokens_per_s, -tokens_per_s"
