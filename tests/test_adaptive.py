@@ -336,3 +336,39 @@ def test_a_config_below_the_contention_line_is_no_tie_with_the_best_by_the_tie_r
     assert below.best.trial == 0 and not below.tie
     above = rank_trials([record(0, 100.0, 0.0), record(1, (line + 100.0) / 2, 0.0)], {}, family)
     assert above.tie
+
+
+def test_a_loss_that_turns_nan_after_the_compared_steps_fails_the_trial():
+    """Only the compared window's losses (warm-up .. warm-up + steps) were checked, and measurement
+    runs on to its interval or time cap: a config diverging after the window was reported ok, its
+    throughput measured on NaN weights. The step loop is driven with a stand-in for the training
+    (the real one: every other test of this file)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from tuner.recipe import recipe_from_dict
+    from tuner.workload.run import measure_adaptive
+
+    measure = {"warmup_steps": 2, "steps": 5, "target_ci": 0.03, "max_seconds": 5}
+    recipe = recipe_from_dict({"name": "nan", "measure": measure, "model": {"layers": 1, "hidden": 16,
+                               "heads": 2, "seq_len": 8, "vocab": 32}})  # fmt: skip
+
+    class Diverging:
+        env, device, calls = SimpleNamespace(rank=0, world_size=1), torch.device("cpu"), 0
+
+        def __init__(self):
+            self.recipe = recipe
+
+        def step(self):
+            self.calls += 1
+            time.sleep(0.005 + 0.005 * (self.calls % 3))  # jitter: the interval needs more steps
+            return torch.tensor(float("nan") if self.calls > 7 else 2.0)  # after the window (2..6)
+
+        def global_losses(self, local):
+            return [float(v) for v in local]
+
+    spec = TrialSpec(recipe=recipe.to_dict(), config={}, family="cpu", workdir="/nonexistent")
+    with pytest.raises(FloatingPointError, match="loss is not finite at step 7"):
+        measure_adaptive(Diverging(), spec, 0)

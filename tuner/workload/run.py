@@ -221,6 +221,10 @@ def measure_adaptive(
     clock = StepClock(spec.family, train.env.world_size, train.device)
     run = Measurement(plan_of(m, spec, train.recipe.tokens_per_step))
     local_losses: list[torch.Tensor] = []
+    # Every step's loss from the window's first on is checked, not only the window's: a config
+    # that diverged after it (measurement runs on to its interval or time cap) was reported ok,
+    # its throughput measured on NaN weights. A flag per step on the device, read once at the end.
+    nonfinite: list[torch.Tensor] = []
     reading = held if held is not None and m.warmup_steps > HELD_STEP else None
     i = 0
     while not run.done():
@@ -232,7 +236,15 @@ def measure_adaptive(
         _check_budget(spec, baseline)
         if m.warmup_steps <= i < m.warmup_steps + m.steps:
             local_losses.append(loss)
+        if i >= m.warmup_steps:
+            nonfinite.append(~torch.isfinite(torch.as_tensor(loss).detach()).all())
         i += 1
+    flags = torch.stack(nonfinite) if nonfinite else None
+    if flags is not None and bool(flags.any()):
+        step = m.warmup_steps + int(flags.nonzero()[0])
+        raise FloatingPointError(
+            f"loss is not finite at step {step}; try amp_dtype=bf16, amp=O0 or a lower lr"
+        )
     # A warm-up that settled early and a measurement that stopped early may end before the
     # window: the last step's loss is the trial's loss then.
     losses = train.global_losses(local_losses or [loss])
