@@ -311,7 +311,15 @@ def test_alloc_conf_sets_the_allocator_variable_and_keeps_the_users_options():
     assert devices.alloc_env("npu", "expandable_segments", {}) == {
         "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"
     }
-    assert devices.alloc_env("cuda", "default", env) == {}
+    # `default` is the allocator's default even where the user's environment turned segments on
+    # (it inherited `expandable_segments:True`, so both values measured the same allocator).
+    assert devices.alloc_env("cuda", "default", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": ""
+    }
+    assert devices.alloc_env("cuda", "default", env) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.8"
+    }
+    assert devices.alloc_env("cuda", "default", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {}
     assert devices.alloc_env("cpu", "expandable_segments", {}) == {}
 
 

@@ -408,13 +408,17 @@ _ALLOC_CONF = {"default": "", "expandable_segments": "expandable_segments:True"}
 
 def alloc_env(family: str, alloc_conf: str, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a trial's ranks need for the `alloc_conf` knob, set before the device's
-    allocator starts. Options the user already set in that variable are kept."""
+    allocator starts. Options the user already set in that variable are kept, but not their own
+    `expandable_segments`: the knob decides it, or `default` would inherit the user's
+    `expandable_segments:True` and measure the same allocator as the other value under another name."""
     var, option = ALLOC_CONF_ENV.get(family), _ALLOC_CONF[alloc_conf]
-    if var is None or not option:
+    if var is None:
         return {}
     current = (os.environ if environ is None else environ).get(var, "")
     kept = [o for o in current.split(",") if o and not o.startswith("expandable_segments")]
-    return {var: ",".join([*kept, option])}
+    if not option and kept == [o for o in current.split(",") if o]:
+        return {}  # `default`, and nothing of the user's to take out
+    return {var: ",".join([*kept, option] if option else kept)}
 
 
 def is_oom(exc: BaseException) -> bool:
