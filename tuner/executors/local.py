@@ -129,6 +129,9 @@ def _run_once(
     started_at = time.time()
     launcher, how = None, "cold"
     (workdir / "launcher.log").write_bytes(b"")
+    # The log of this launch only: the retry test and the failure's message read its tail, and an
+    # earlier attempt's "address already in use" (or a reused --workdir's old error) is not this one's.
+    log_path.write_bytes(b"")
     if helper is not None:
         try:
             # cmd is [python, -m, tuner.executors.launcher, ARGS...]: the helper runs the same.
