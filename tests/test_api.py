@@ -343,6 +343,21 @@ def test_a_plan_refuses_a_query_parameter_it_does_not_take(client, auth):
     assert client.post("/v1/plans?devices=1&top=1", content=TINY, headers=headers).status_code == 200
 
 
+def test_a_plan_while_another_is_being_made_is_told_to_come_back(client, auth):
+    """Plans ran at once without limit: a reader sending several large ones starved the service."""
+    from api.routes import plans
+
+    headers = {**auth, "Content-Type": "application/yaml"}
+    assert plans._PLANNING.acquire(blocking=False)  # a plan in progress
+    try:
+        busy = client.post("/v1/plans?devices=1&top=1", content=TINY, headers=headers)
+    finally:
+        plans._PLANNING.release()
+    assert busy.status_code == 429 and busy.headers["Retry-After"] == "5"
+    assert "another plan is being made" in busy.json()["detail"]
+    assert client.post("/v1/plans?devices=1&top=1", content=TINY, headers=headers).status_code == 200
+
+
 # ---- jobs ---------------------------------------------------------------------------------------
 
 

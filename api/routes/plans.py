@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
@@ -12,6 +14,10 @@ from api.routes.jobs import _RECIPE_BODY, RawBody, _check_recipe, _parse_body
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"])
 QUERY = ("devices", "top", "device")  # create_plan's query parameters
+# Plans made at once. A plan is CPU work of a second to minutes (thousands of devices, a space of
+# millions); a reader sending many at once starved the service's own requests on a small host.
+# One runs at a time; others are told to come back (429) rather than queued behind it.
+_PLANNING = threading.BoundedSemaphore(1)
 
 
 @router.post(
@@ -46,13 +52,21 @@ async def create_plan(
     from tuner.perf.study_plan import service_plan
 
     url = settings.database_url
+    if not _PLANNING.acquire(blocking=False):
+        raise ApiError(
+            429, "another plan is being made; try again in a few seconds", headers={"Retry-After": "5"}
+        )
+
+    def planned():
+        try:  # released by the thread itself: a client that left does not free the slot early
+            if device is None:
+                return service_plan(recipe, url, devices=devices, top=top)
+            return make_plan(recipe, devices=devices, top=top, storage_url=url, catalogued=device)
+        finally:
+            _PLANNING.release()
+
     try:
-        if device is None:
-            plan = await run_in_threadpool(service_plan, recipe, url, devices=devices, top=top)
-        else:
-            plan = await run_in_threadpool(
-                make_plan, recipe, devices=devices, top=top, storage_url=url, catalogued=device
-            )
+        plan = await run_in_threadpool(planned)
     except PlanError as err:
         why = err.worded(lambda field, value: f"POST /v1/plans?{field}={value}")
         raise ApiError(422, "cannot plan this recipe", [(err.field, why)]) from None
