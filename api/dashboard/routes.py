@@ -17,9 +17,9 @@ from api.errors import ApiError
 from api.responses import FiniteJSONResponse
 from api.routes.studies import StudyName, get_study
 from api.schemas import JobId
+from api.trials import STATUS_FILTERS
 from tuner.db import Job
 from tuner.record.reader import StudyRecord, read_study, with_all_attrs
-from tuner.record.status import STATUSES
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -114,10 +114,12 @@ def _table_query(
     status: Annotated[list[str], Query(description="ok, oom, error, timeout, pruned, running, ...")] = (),
     knob: Annotated[list[str], Query(description="name:value, e.g. recompute:full")] = (),
 ) -> dict:
-    unknown = [s for s in status if s not in STATUSES]
+    unknown = [s for s in status if s not in STATUS_FILTERS]
     if unknown:  # as /v1's trials: a filter that matches nothing by its spelling is an error
         raise ApiError(
-            422, f"status={unknown[0]!r} is no status word", [("status", f"one of {', '.join(STATUSES)}")]
+            422,
+            f"status={unknown[0]!r} is no status word",
+            [("status", f"one of {', '.join(STATUS_FILTERS)}")],
         )
     return {"page": page, "size": size, "sort": sort, "statuses": list(status), "knob": list(knob)}
 

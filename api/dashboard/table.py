@@ -77,7 +77,7 @@ def _ordered(
         return cached
     rows = study.trials
     if statuses:
-        rows = [r for r in rows if r.status in statuses]
+        rows = [r for r in rows if r.status in statuses or r.state in statuses]  # as /v1's ?status=
     for name, want in knobs.items():
         rows = [r for r in rows if name in r.params and label(r.params[name]) == want]
     keyed = [(_value(r, column), r) for r in rows]  # each value once: this runs over every trial
