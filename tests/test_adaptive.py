@@ -372,3 +372,12 @@ def test_a_loss_that_turns_nan_after_the_compared_steps_fails_the_trial():
     spec = TrialSpec(recipe=recipe.to_dict(), config={}, family="cpu", workdir="/nonexistent")
     with pytest.raises(FloatingPointError, match="loss is not finite at step 7"):
         measure_adaptive(Diverging(), spec, 0)
+
+
+def test_a_throughput_no_run_can_measure_never_wins():
+    """A completed trial told inf tokens/s (a study another version or program wrote) won, and
+    /v1/jobs/ID/best then answered null for a number its schema requires."""
+    from tuner.record.ranking import rank_trials
+
+    ranking = rank_trials([record(0, float("inf"), 0.02), record(1, 100.0, 0.02)], {})
+    assert ranking.best.trial == 1 and ranking.best.tokens_per_s == 100.0

@@ -253,7 +253,9 @@ def rank_trials(
     counts: dict[str, int] = {}
     for t in trials:
         counts[t.status] = counts.get(t.status, 0) + 1
-    complete = [t for t in trials if t.completed and t.tokens_per_s]
+    # A throughput no run can measure (inf, from a study another version or program wrote) is not
+    # a result: it won, and /best then answered null where its schema promises a number.
+    complete = [t for t in trials if t.completed and t.tokens_per_s and math.isfinite(t.tokens_per_s)]
     repeated = [[t.tokens_per_s, *remeasured[t.number]] for t in complete if remeasured.get(t.number)]
     run_sd = run_noise(repeated, family)
     cis = remeasured_ci or {}
