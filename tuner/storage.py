@@ -125,3 +125,11 @@ def missing_database(url: str) -> bool:
     """Whether `url` is a SQLite file that does not exist (opening it would create it empty)."""
     path = sqlite_path(url) if url.startswith("sqlite") else None
     return bool(path) and not os.path.exists(path)
+
+
+def not_made_yet(url: str) -> bool:
+    """Whether `url` is a SQLite file that does not exist in a folder that does: a command that
+    only reads finds nothing there and must not create it. (A folder that does not exist is a
+    mistyped path, which opening the database refuses, naming the option.)"""
+    path = sqlite_path(url) if url.startswith("sqlite") else None
+    return bool(path) and not os.path.exists(path) and os.path.isdir(os.path.dirname(path))

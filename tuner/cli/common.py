@@ -80,14 +80,13 @@ def at_least_one_or_exit(option: str, value: int | None) -> None:
 def storage_or_exit(url: str | None, create: bool = True) -> str:
     """`--storage URL` (default: the settings' database), made absolute and checked to open.
     `create=False` (a command that only reads): a SQLite file that does not exist in a folder that
-    does is left so, not opened (the caller finds nothing in it: `storage.missing_database`); a
+    does is left so, not opened (the caller finds nothing in it: `storage.not_made_yet`); a
     folder that does not exist is refused as before, naming --storage (a mistyped path)."""
     from tuner.settings import absolute_database_url, database_url
-    from tuner.storage import get_storage, missing_database, sqlite_path
+    from tuner.storage import get_storage, not_made_yet
 
     url = absolute_database_url(url) if url else database_url()
-    path = sqlite_path(url) if url.startswith("sqlite") else None
-    if not create and path and missing_database(url) and Path(path).parent.is_dir():
+    if not create and not_made_yet(url):
         return url
     try:
         get_storage(url)

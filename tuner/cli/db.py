@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -100,13 +99,12 @@ def current_cmd(
 
     from tuner.db import DatabaseError
     from tuner.migrations import current_revision, head_revision
-    from tuner.storage import missing_database, sqlite_path
+    from tuner.storage import not_made_yet, sqlite_path
 
     url, name = _url_or_exit(ctx, database_url)
-    path = sqlite_path(url) if url.startswith("sqlite") else None
-    if path and missing_database(url) and Path(path).parent.is_dir():  # a look makes no file
+    if not_made_yet(url):  # a look makes no file
         typer.echo(
-            f"empty (behind {head_revision()}; no database at {path} yet: `tuner db upgrade` creates it)"
+            f"empty (behind {head_revision()}; no database at {sqlite_path(url)} yet: `tuner db upgrade` creates it)"
         )
         return
     try:

@@ -111,7 +111,9 @@ def measure(
     if workdir is not None:
         writable_dir_or_exit(workdir, "--workdir")
     else:
-        writable_dir_or_exit(_runs_dir() / "measure", "TUNER_RUNS_DIR (default ./runs: the trial's logs)")
+        from tuner.settings import runs_dir
+
+        writable_dir_or_exit(runs_dir() / "measure", "TUNER_RUNS_DIR (default ./runs: the trial's logs)")
     if profile is not None:
         writable_dir_or_exit(profile, "--profile")
     with executor_or_exit(executor) as runner:
@@ -130,12 +132,6 @@ def measure(
         err_console.print(f"[yellow]warning:[/] the trial wrote no profile under {spec.workdir}/profile")
     if result.status != OK:  # a script sees the failure in the exit status, as it reads the output
         raise typer.Exit(1)
-
-
-def _runs_dir() -> Path:
-    from tuner.settings import runs_dir
-
-    return runs_dir()
 
 
 def _trial_spec(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import typer
 
 from tuner.cli.common import fail
@@ -24,14 +22,11 @@ def _session():
 
 
 def _no_database_yet() -> bool:
-    """A SQLite file that is not there (in a folder that is): a listing or a revoke finds nothing in
-    it, and looking must not create it."""
+    """A listing or a revoke finds nothing in a database not made yet, and looking must not make it."""
     from tuner.settings import database_url
-    from tuner.storage import missing_database, sqlite_path
+    from tuner.storage import not_made_yet
 
-    url = database_url()
-    path = sqlite_path(url) if url.startswith("sqlite") else None
-    return bool(path) and missing_database(url) and os.path.isdir(os.path.dirname(path))
+    return not_made_yet(database_url())
 
 
 def _ready() -> None:

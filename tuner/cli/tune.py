@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -118,6 +117,7 @@ def tune(
         fail(f"--sampler: unknown sampler {sampler!r}; use one of {', '.join(SAMPLERS)}")
     executor_name_or_exit(executor)
     from tuner.executors import make_executor
+    from tuner.settings import runs_dir
     from tuner.study import run_study
     from tuner.study.preflight import PreflightError, preflight
 
@@ -135,7 +135,7 @@ def tune(
                 preflight(recipe, sampler or recipe.search.sampler, runner)
             except PreflightError as err:
                 fail(str(err))
-            writable_dir_or_exit(_runs_dir(), "TUNER_RUNS_DIR (default ./runs: the trials' logs)")
+            writable_dir_or_exit(runs_dir(), "TUNER_RUNS_DIR (default ./runs: the trials' logs)")
             url = storage_or_exit(storage)
             with _LiveProgress(total) as live:
                 summary = run_study(
@@ -156,12 +156,6 @@ def tune(
         )
         raise typer.Exit(130) from None
     _report(summary, as_json, top)
-
-
-def _runs_dir() -> Path:
-    from tuner.settings import runs_dir
-
-    return runs_dir()
 
 
 def show(
