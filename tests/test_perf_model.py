@@ -751,6 +751,30 @@ def test_a_plan_calibrates_memory_on_completed_trials_as_the_study_does(priors):
     assert with_overruns.considered == completed_only.considered
 
 
+def test_a_plan_that_the_oom_floor_empties_names_the_floor_as_the_reason(priors):
+    """With every config refused by the floor of a config that ran out of memory, the plan's
+    reason was judged without the floor: "... is refused: None"."""
+    from tuner.perf.observations import observation
+    from tuner.perf.plan import make_plan
+    from tuner.space import trial_params
+
+    doc = tiny()
+    doc["search"]["overrides"] = {
+        **OVERRIDES,
+        "dp": [2],
+        "tp": [1],
+        "pp": [1],
+        "amp": ["O0"],
+    }  # one floor group
+    recipe = recipe_from_dict(doc)
+    config = space_configs(recipe)[0]
+    attrs = {keys.STATUS: "oom", keys.ESTIMATED_PEAK_MEM_BYTES: 1}  # below every estimate: all bound to fail
+    plan = make_plan(
+        recipe, observations=[observation(recipe, trial_params(config), attrs, trial=3)], device=CPU
+    )
+    assert plan.considered == 0 and "trial 3, which ran out of memory" in plan.why_none
+
+
 def test_a_plan_beyond_one_server_spans_nodes_of_it():
     """32 H100s are four 8-GPU servers: tensor-parallel groups stay inside one, and data parallel
     over all 32 pays the cross-node link (planned as one 32-GPU node it did not); a count that

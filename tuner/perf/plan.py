@@ -236,17 +236,19 @@ def ranked_plan(
         considered=len(pool),
         basis=_basis(observations, n, device, measured_ranks, catalogued),
         rows=rows,
-        why_none=None if pool else _why_none(space, target, wide, every, works, calibration),
+        why_none=None if pool else _why_none(space, target, wide, every, works, calibration, floor),
     )
     return plan, order
 
 
-def _why_none(space, recipe: Recipe, device: DeviceInfo, every: list[Config], works, calibration) -> str:
+def _why_none(
+    space, recipe: Recipe, device: DeviceInfo, every: list[Config], works, calibration, floor
+) -> str:
     """Why a plan found no config to rank: the reason the config with the smallest estimated peak
     (the closest to fitting) was refused, else why no config of the space can run the recipe."""
     if every:
         i = min(range(len(every)), key=lambda j: works[j].peak_mem_bytes)
-        reason = verdict(every[i], recipe, device, calibration, est=works[i].estimate).reason
+        reason = verdict(every[i], recipe, device, calibration, floor, est=works[i].estimate).reason
         return f"even the config with the smallest estimated peak is refused: {reason}"
     problem = space.shape_problem(recipe)
     if problem is not None:
