@@ -5,7 +5,6 @@ the study changes): a page of its trials, sorted and filtered in memory, and its
 from __future__ import annotations
 
 import datetime as dt
-import math
 from functools import lru_cache
 from typing import Any
 
@@ -14,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from tuner.db import FINAL_STATES, Build, Job
 from tuner.record import keys
+from tuner.record.ranking import finite_runs
 from tuner.record.reader import StudyRecord, read_study
 from tuner.record.status import COMPLETE_STATE, OK, STATES, STATUSES
 from tuner.record.trial import TrialRecord
@@ -83,9 +83,7 @@ def public_item(t: TrialRecord, remeasured: list[float]) -> dict[str, Any]:
         "state": t.state,
         "status": t.status,
         "tokens_per_s": value if value is not None else t.attrs.get(keys.TOKENS_PER_S),
-        "remeasured_tokens_per_s": [
-            v for v in remeasured if isinstance(v, (int, float)) and math.isfinite(v)
-        ],
+        "remeasured_tokens_per_s": finite_runs(remeasured),
         "config": stored if isinstance(stored, dict) else _config(t.params),
         "result": {
             k: t.attrs[k] for k in (*keys.RESULT_KEYS, *keys.WHERE_KEYS, keys.MEASURE_STOP) if k in t.attrs

@@ -259,7 +259,7 @@ class Recipe(_Section):
     @field_validator("name")
     @classmethod
     def _printable_name(cls, value: str) -> str:
-        if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        if not printable_line(value):
             raise ValueError(
                 "must be one line of printable text (no tabs, newlines or other control characters)"
             )
@@ -319,6 +319,11 @@ def _problems(err: ValidationError) -> list[tuple[str, str]]:
             msg = msg[len("Value error, ") :]
         out.append((field, msg))
     return out
+
+
+def printable_line(text: str) -> bool:
+    """Whether `text` is one line of printable text (no control characters): what a recipe's name is."""
+    return not any(ord(ch) < 32 or ord(ch) == 127 for ch in text)
 
 
 def _nul_problems(value: Any, path: str = "") -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ from api.routes.studies import StudyName, get_study
 from api.schemas import JobId
 from api.trials import STATUS_FILTERS
 from tuner.db import Job
+from tuner.recipe import printable_line
 from tuner.record.reader import StudyRecord, read_study, with_all_attrs
 
 HERE = Path(__file__).parent
@@ -249,7 +250,7 @@ def read_comparison(
 @data.get("/recipes/{recipe_name:path}/history")
 def read_recipe_history(recipe_name: str, session: SessionDep, _: ReadAuth):
     """Best tokens/s per nightly run, with regressions and the fingerprint changes next to them."""
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in recipe_name):  # no recipe is named so (`Recipe.name`)
+    if not printable_line(recipe_name):  # no recipe is named so (`Recipe.name`)
         raise ApiError(
             422, "no recipe name holds control characters", [("recipe_name", "printable text only")]
         )

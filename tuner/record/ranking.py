@@ -184,8 +184,13 @@ def config_throughput(first: float | None, again: Sequence[float]) -> float:
     """What a study measured a config at: the median tokens/s over its trial's measurement (when
     it has one) and its re-measurements (a non-finite one, which no run can measure, left out).
     The ranking, the plan and the performance model's data all take this figure."""
-    runs = [v for v in again if isinstance(v, (int, float)) and math.isfinite(v)]
+    runs = finite_runs(again)
     return statistics.median([first, *runs] if first is not None else runs)
+
+
+def finite_runs(values: Sequence[Any]) -> list[float]:
+    """The re-measurements a run could have measured: numbers, finite."""
+    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
 
 
 def _relative_spread(values: Sequence[float]) -> float:
