@@ -163,3 +163,39 @@ def test_kill_9_mid_study_then_rerun_completes_without_lost_or_repeated_trials(t
     assert trials[killed.number].state == TrialState.FAIL and trials[killed.number].user_attrs["driver_died"]
     assert [t.user_attrs.get("retry_of") for t in complete] == [None, killed.number]
     assert summary["counts"] == {"ok": 2, "failed": 1} and summary["best"] is not None
+
+
+@pytest.mark.postgres
+def test_a_second_tuner_tune_of_a_study_being_tuned_is_refused_and_adds_no_trial(tmp_path):
+    doc = recipe_doc("busy", [4, 8], None, seed=2)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(doc))
+    name = recipe_study_name(recipe_from_dict(doc))
+    cmd = [sys.executable, "-m", "tuner.cli.main", "tune", "recipe.yaml", "--trials", "2", "--remeasure", "0",
+           "--storage", PG_URL, "--json"]  # fmt: skip
+    first = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # the first driver is on the device
+            assert first.poll() is None, first.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the first study never started a trial"
+            with contextlib.suppress(KeyError):
+                if any(
+                    t.state == TrialState.RUNNING
+                    for t in optuna.load_study(study_name=name, storage=PG_URL).trials
+                ):
+                    break
+            time.sleep(0.5)
+        second = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert f"is being tuned by another driver (pid {first.pid} on host" in second.stderr
+        assert "Traceback" not in second.stderr
+        out, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err.decode()[-2000:]
+        assert json.loads(out)["counts"] == {"ok": 2}, "the refused driver ran or failed a trial"
+        again = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]  # the finished driver freed the study
+    finally:
+        first.kill()
+        first.wait()
+        with contextlib.suppress(KeyError):
+            optuna.delete_study(study_name=name, storage=PG_URL)

@@ -53,6 +53,56 @@ def owner_alive(owner: dict[str, Any] | None, heartbeat: float | None, started: 
     return time.time() - last < STALE_AFTER_S
 
 
+class StudyBusy(RuntimeError):
+    """Another live driver (a `tuner tune`, a worker's job) drives the study now."""
+
+
+def _who(owner: dict[str, Any]) -> str:
+    return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
+
+
+def claim_study(study: optuna.Study, me: dict[str, Any]) -> None:
+    """Make `me` the study's one driver, or raise StudyBusy naming the live one.
+
+    Two drivers of one study would overrun its trial budget and overwrite each other's
+    re-measurements (a read-modify-write of a study attribute); the job queue keeps two jobs apart,
+    this keeps every entry point apart (a CLI `tuner tune` beside a worker's job). A driver that
+    died frees the study as its trials do (`owner_alive`: a dead pid on this host at once, else a
+    heartbeat older than STALE_AFTER_S). Two drivers starting within the same moment can both
+    pass: the read back after the write narrows that to the gap between two database writes."""
+    storage, sid = study._storage, study._study_id
+    held = storage.get_study_system_attrs(sid).get(keys.STUDY_DRIVER)
+    if isinstance(held, dict) and isinstance(held.get("owner"), dict):
+        owner, beat = held["owner"], held.get("heartbeat")
+        if owner.get("id") != me["id"] and owner_alive(owner, beat, beat or 0.0):
+            raise StudyBusy(
+                f"study {study.study_name} is being tuned by another driver ({_who(owner)}, last "
+                f"heartbeat {time.time() - (beat or 0.0):.0f} s ago); wait for it to finish (or cancel "
+                f"its job), or tune a study of its own (search.reuse: false in the recipe)"
+            )
+    beat_study(study, me)
+    now = storage.get_study_system_attrs(sid).get(keys.STUDY_DRIVER) or {}
+    if (now.get("owner") or {}).get("id") != me["id"]:
+        raise StudyBusy(
+            f"study {study.study_name} was claimed by another driver ({_who(now['owner'])}) just now"
+        )
+
+
+def beat_study(study: optuna.Study, me: dict[str, Any]) -> None:
+    """The study driver's heartbeat (`claim_study`)."""
+    study._storage.set_study_system_attr(
+        study._study_id, keys.STUDY_DRIVER, {"owner": me, "heartbeat": time.time()}
+    )
+
+
+def release_study(study: optuna.Study, me: dict[str, Any]) -> None:
+    """Free the study for the next driver, if `me` still holds it."""
+    storage, sid = study._storage, study._study_id
+    held = storage.get_study_system_attrs(sid).get(keys.STUDY_DRIVER) or {}
+    if (held.get("owner") or {}).get("id") == me["id"]:
+        storage.set_study_system_attr(sid, keys.STUDY_DRIVER, None)
+
+
 def queued_params(t: FrozenTrial) -> dict[str, Any]:
     """The config a RUNNING trial stands for, to queue again: a queued trial's (the baseline, the
     fp32 reference, a retry) is in its fixed params from the moment `study.ask` starts it, its

@@ -117,6 +117,7 @@ def tune(
         fail(f"--sampler: unknown sampler {sampler!r}; use one of {', '.join(SAMPLERS)}")
     executor_name_or_exit(executor)
     from tuner.executors import make_executor
+    from tuner.resume import StudyBusy
     from tuner.settings import runs_dir
     from tuner.study import run_study
     from tuner.study.preflight import PreflightError, preflight
@@ -150,6 +151,8 @@ def tune(
                     progress=live.on_event,
                     remeasure_top=remeasure,
                 )
+    except StudyBusy as err:
+        fail(str(err), 1)  # not bad input: the study is busy now
     except KeyboardInterrupt:
         err_console.print(
             "[yellow]interrupted[/]: running trials were stopped; run the same command again to continue"

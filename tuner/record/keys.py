@@ -99,6 +99,9 @@ ENQUEUED = "enqueued"
 # ---- trial system attributes (the driver's liveness; Optuna's constraints) -----------------------
 HEARTBEAT = "tuner:heartbeat"  # Optuna's heartbeat needs study.optimize; ask/tell records its own
 OWNER = "tuner:owner"
+# Study system attribute: the driver that drives the study now ({"owner": new_owner(), "heartbeat":
+# unix time}); `tuner.resume.claim_study` keeps a second one out.
+STUDY_DRIVER = "tuner:driver"
 # Optuna's own system attribute: the params `enqueue_trial` gave a trial, there from the moment
 # `study.ask` starts it (its params only once the sampler has answered).
 FIXED_PARAMS = "fixed_params"

@@ -15,6 +15,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from tuner import resume
 from tuner.baseline import baseline_config, fp32_reference
 from tuner.config import Config
 from tuner.estimate import reserved_ratio_prior
@@ -105,6 +106,7 @@ class Driver:
         self.run_noise: float | None = None  # the ranking's run-to-run noise, with self.best
         self._ranked_at: tuple[int, int] | None = None  # (finished trials, study attrs) last ranked
         self._grid: list[Config] | None = None
+        self._study_beat_at = -math.inf  # when `beat` last wrote the study's driver heartbeat
 
     # ---- opening and resuming -------------------------------------------------------------
 
@@ -126,6 +128,8 @@ class Driver:
         # Recorded with the study: the executor's, or what the model sampler started from here.
         self.priors = priors or (sampler.predictor.priors if isinstance(sampler, ModelSampler) else None)
         self.study = optuna.load_study(study_name=self.name, storage=self.storage, sampler=sampler)
+        resume.claim_study(self.study, self.owner)  # one driver per study, whatever started it
+        self._study_beat_at = time.monotonic()
         if keys.RECIPE not in self.study.user_attrs:
             self._first_open()
         for config in enqueue:
@@ -247,6 +251,7 @@ class Driver:
         self.deadline = deadline  # re-measurement starts no run after it either
         probe = self.spec(Config(dp=self.recipe.hardware.devices), "probe")
         while True:
+            self.beat()
             trials = self.refresh()
             if self.hooks.should_stop():
                 self.cancel_pending()
@@ -279,6 +284,12 @@ class Driver:
             seed=TRIAL_SEED,
             tag=tag,
         )
+
+    def beat(self) -> None:
+        """The study's driver heartbeat (`tuner.resume.claim_study`), at most once an interval."""
+        if time.monotonic() - self._study_beat_at >= HEARTBEAT_INTERVAL_S:
+            resume.beat_study(self.study, self.owner)
+            self._study_beat_at = time.monotonic()
 
     def _beat(self) -> None:
         now = time.time()

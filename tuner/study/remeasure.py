@@ -92,6 +92,7 @@ def _remeasure_trials(driver: Driver, numbers: list[int], ranking: Ranking, runs
                 break
             waiting[spec.tag] = todo.pop(0)
             runs += 1
+        driver.beat()
         for result in driver.executor.wait(timeout=HEARTBEAT_INTERVAL_S):
             number = waiting.pop(result.tag, None)
             if number is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import optuna
 from tuner.config import Config
 from tuner.executors.base import Executor
 from tuner.recipe import Recipe
+from tuner.resume import release_study
 from tuner.storage import default_storage_url
 from tuner.study.budget import Budget, Hooks, Progress
 from tuner.study.driver import Driver
@@ -67,6 +69,11 @@ def run_study(
             driver.cancel_pending()
         raise
     finally:
+        if driver.study is not None:
+            # Best effort: a release the database refused frees the study when its heartbeat goes
+            # stale (60 s), and must not hide the error that brought us here.
+            with contextlib.suppress(Exception):
+                release_study(driver.study, driver.owner)
         if owned:
             executor.close()
     summary = summarize(driver.name, url)
