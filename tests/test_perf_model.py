@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 from test_estimate import small_model
 
 import tuner.perf.priors
-from tuner.config import Config, infeasible_reasons
+from tuner.config import Config, infeasible_reasons, run_key
 from tuner.devices import describe
 from tuner.executors.base import Executor
 from tuner.perf.fitting import fit
@@ -459,6 +459,30 @@ def test_model_sampler_runs_every_config_of_a_small_space_the_plain_one_too(tmp_
     ex = _study(recipe, f"sqlite:///{tmp_path}/t.db", tmp_path, trials=20)
     ran = {c.key() for c in ex.ran}
     assert Config().key() in ran and ran == {c.key() for c in space_configs(recipe)}
+
+
+def test_configs_that_run_the_same_program_are_measured_and_planned_once(tmp_path, priors):
+    """At pp=2 each stage holds two of the four blocks: recompute_layers 0.25 and 0.5 recompute
+    one of them, 0.75 and 1.0 both. The model sampler measures one of each pair, the study ends
+    "space exhausted" rather than spend device runs on the twins, and a plan lists each run once."""
+    doc = tiny()
+    doc["search"]["overrides"] = {**OVERRIDES, "micro_batch_size": [2], "amp": ["O0"], "attention": ["math"],
+                                  "dp": [1], "tp": [1], "pp": [2], "recompute": ["selective", "full"],
+                                  "recompute_layers": [0.25, 0.5, 0.75, 1.0]}  # fmt: skip
+    recipe = recipe_from_dict(doc)
+    url = f"sqlite:///{tmp_path}/t.db"
+    events = []
+    ex = SyntheticExecutor(recipe)
+    run_study(recipe, storage_url=url, executor=ex, trials=20, sampler="model", seed=0, remeasure_top=0,
+              workdir=tmp_path, progress=events.append)  # fmt: skip
+    assert len(space_configs(recipe)) == 8
+    ran = [run_key(c, recipe) for c in ex.ran]
+    assert len(ran) == len(set(ran)) == 4  # two modes x one or two blocks
+    assert events[-1]["reason"] == "space exhausted"
+    plan = make_plan(recipe, storage_url=url, top=8)
+    assert len(plan.rows) == 4
+    assert len({run_key(Config.from_params(r.config), recipe) for r in plan.rows}) == 4
+    assert all(r.measured_tokens_per_s for r in plan.rows)  # each row's run was measured
 
 
 def test_a_plan_leaves_out_what_ran_out_of_memory_as_the_study_does(tmp_path, priors):

@@ -344,6 +344,24 @@ def test_grid_sampler_measures_each_config_of_a_narrow_space_once(tune):
     assert len(ex.submitted) == 4
 
 
+def test_recompute_shares_that_recompute_the_same_blocks_are_measured_once(tune, url):
+    # 4 layers at pp=2: two blocks a stage, so 0.25 and 0.5 recompute one block, 0.75 and 1.0 two.
+    split = {"dp": [1], "pp": [2], "pp_schedule": ["1f1b"], "recompute": ["full"],
+             "recompute_layers": [0.25, 0.5, 0.75, 1.0]}  # fmt: skip
+    recipe = make_recipe("runkey", overrides={**NARROW, **split})
+    ex = FakeExecutor()
+    summary = tune(recipe, ex, trials=50, sampler="grid")
+    assert summary.counts == {"ok": 2}  # the grid does not even ask for the other two
+    assert sorted(Config(**s.config).recompute_layers for s in ex.submitted) in ([0.25, 0.75], [0.25, 1.0],
+                                                                                [0.5, 0.75], [0.5, 1.0])  # fmt: skip
+    # A sampler that proposes one anyway gets the measured twin's result, not a device run.
+    ex = FakeExecutor()
+    summary = tune(make_recipe("runkey-random", overrides={**NARROW, **split}), ex, trials=8, seed=1)
+    assert len(ex.submitted) == 2 and summary.counts["ok"] == 2 and summary.counts["duplicate"] == 6
+    dups = [t for t in trials_of(summary, url) if "duplicate_of" in t.user_attrs]
+    assert all("the same run for this model" in t.user_attrs["pruned_reason"] for t in dups)
+
+
 def test_concurrent_executor_slots_are_all_used(tune):
     ex = FakeExecutor(slots=3)
     tune(make_recipe("slots", overrides={**NARROW, "micro_batch_size": [1, 2, 4, 8]}), ex, trials=6)

@@ -259,6 +259,28 @@ def recomputed_layers(n_layers: int, fraction: float) -> int:
     return max(1, min(n_layers, math.ceil(fraction * n_layers - 1e-9)))
 
 
+def run_key(config: Config, recipe: Recipe) -> str:
+    """`Config.key` up to knob values that run the same program for `recipe`'s model: the
+    `recompute_layers` shares that recompute as many of a stage's blocks (on a 4-layer model at
+    pp=2, 0.25 and 0.5 both recompute one block of two). A study measures one config per run key:
+    the others reuse its result instead of spending a device run."""
+    c = config.normalized()
+    if c.recompute != "none":
+        per_stage = max(1, recipe.model.layers // max(1, c.pp))
+        c = dataclasses.replace(
+            c, recompute_layers=recomputed_layers(per_stage, c.recompute_layers) / per_stage
+        )
+    return c.key()
+
+
+def stored_run_key(config_key: str, recipe: Recipe) -> str:
+    """`run_key` of a config stored as its `Config.key` (a trial's `config_key` attribute)."""
+    try:
+        return run_key(Config.from_params(json.loads(config_key)), recipe)
+    except (ValueError, TypeError):  # a key another version wrote: compare it as it is
+        return config_key
+
+
 def infeasible_reasons(config: Config, recipe: Recipe, device: DeviceInfo) -> list[str]:
     """Every reason this config cannot run for this recipe on this device; [] when it can."""
     return [

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from tuner.baseline import baseline_config
-from tuner.config import Config
+from tuner.config import Config, run_key
 from tuner.device_table import CATALOG_NODE_DEVICES
 from tuner.devices import FAMILIES, DeviceInfo, describe, known_device, resolve_family
 from tuner.estimate import reserved_ratio_prior
@@ -69,7 +69,7 @@ class Plan:
     machine_devices: int
     extrapolated: bool  # more devices than any measured trial (or this machine) had
     observations: int  # measured trials the model was fitted to
-    considered: int  # feasible configs ranked
+    considered: int  # feasible configs ranked, one per run (`run_key`)
     basis: str  # one line: what the numbers rest on
     rows: list[PlanRow]
     why_none: str | None = None  # when nothing is feasible: why (the config closest to fitting's reason)
@@ -224,7 +224,7 @@ def ranked_plan(
     ]
     pool = [every[i] for i in keep]
     order = _order(predictor, target, pool, ([works[i] for i in keep], feats.take(keep)))
-    rows = _rows(order, same, top)
+    rows = _rows(order, same, top, target)
     measured_ranks = max((o.config.world_size for o in observations), default=0)
     extrapolated = catalogued is not None or n > device.count or bool(observations) and n > measured_ranks
     plan = Plan(
@@ -233,7 +233,7 @@ def ranked_plan(
         machine_devices=device.count,
         extrapolated=extrapolated,
         observations=len(observations),
-        considered=len(pool),
+        considered=len({run_key(c, target) for c in pool}),
         basis=_basis(observations, n, device, measured_ranks, catalogued),
         rows=rows,
         why_none=None if pool else _why_none(space, target, wide, every, works, calibration, floor),
@@ -291,11 +291,19 @@ def _order(predictor: Predictor, recipe: Recipe, pool: list[Config], cached) -> 
     return PlanOrder(pool, np.lexsort((-expected, plain, -value)), p)
 
 
-def _rows(order: PlanOrder, same: list[Observation], top: int) -> list[PlanRow]:
+def _rows(order: PlanOrder, same: list[Observation], top: int, recipe: Recipe) -> list[PlanRow]:
     p, pool = order.predicted, order.pool
     if p is None:
         return []
-    measured = {o.config.key(): o.tokens_per_s for o in same if o.tokens_per_s}
+    measured = {run_key(o.config, recipe): o.tokens_per_s for o in same if o.tokens_per_s}
+    # One row per run: configs that run the same program (`run_key`) rank once, the plainer first.
+    firsts, seen = [], set()
+    for i in order.order:
+        if len(firsts) == top:
+            break
+        if (k := run_key(pool[i], recipe)) not in seen:
+            seen.add(k)
+            firsts.append((i, k))
     return [
         PlanRow(
             rank=rank,
@@ -305,9 +313,9 @@ def _rows(order: PlanOrder, same: list[Observation], top: int) -> list[PlanRow]:
             step_time_s=round(float(p.step_time_s[i]), 6),
             estimated_peak_mem_bytes=int(p.estimated_peak_mem_bytes[i]),
             p_fit=round(float(p.p_fit[i]), 3),
-            measured_tokens_per_s=measured.get(pool[i].key()),
+            measured_tokens_per_s=measured.get(k),
         )
-        for rank, i in enumerate(order.order[:top], 1)
+        for rank, (i, k) in enumerate(firsts, 1)
     ]
 
 

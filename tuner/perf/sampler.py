@@ -16,7 +16,7 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner.config import Config, ConfigError, infeasible_reasons
+from tuner.config import Config, ConfigError, infeasible_reasons, run_key, stored_run_key
 from tuner.devices import DeviceInfo
 from tuner.perf.candidates import candidates
 from tuner.perf.model import Features
@@ -233,9 +233,9 @@ class ModelSampler(optuna.samplers.BaseSampler):
             config = _config_of(t.params) if t.params else None
             given = t.system_attrs.get(keys.FIXED_PARAMS)
             fixed = _config_of(given) if given else None  # {} would read as the plain config
-            tried.update(c.key() for c in (config, fixed) if c is not None)
+            tried.update(run_key(c, ctx.recipe) for c in (config, fixed) if c is not None)
             if t.user_attrs.get(keys.CONFIG_KEY):
-                tried.add(t.user_attrs[keys.CONFIG_KEY])
+                tried.add(stored_run_key(t.user_attrs[keys.CONFIG_KEY], ctx.recipe))
         complete = [t for t in trials if t.state == TrialState.COMPLETE]
         calibration = study_calibration((t.user_attrs for t in complete), ctx.device)
         floor = oom_floor(
@@ -245,7 +245,7 @@ class ModelSampler(optuna.samplers.BaseSampler):
         )
 
         def keep(configs: list[Config]) -> list[Config]:
-            untried = [c for c in configs if c.key() not in tried]
+            untried = [c for c in configs if run_key(c, ctx.recipe) not in tried]
             return [
                 c
                 for c, (work, _) in zip(untried, self._cached(untried), strict=True)

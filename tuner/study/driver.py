@@ -17,7 +17,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from tuner import resume
 from tuner.baseline import baseline_config, fp32_reference
-from tuner.config import Config
+from tuner.config import Config, run_key, stored_run_key
 from tuner.estimate import reserved_ratio_prior
 from tuner.executors.base import Executor
 from tuner.fingerprint import fingerprint_hash
@@ -180,8 +180,8 @@ class Driver:
             and not (t.user_attrs.get(keys.DRIVER_DIED) or t.user_attrs.get(keys.CANCELLED))
         ]
         self.done = len(self.finished)
-        self.measured = {
-            t.user_attrs[keys.CONFIG_KEY]: t.number
+        self.measured = {  # by run key: configs that run the same program share one measurement
+            stored_run_key(t.user_attrs[keys.CONFIG_KEY], self.recipe): t.number
             for t in self.finished
             if t.state in (TrialState.COMPLETE, TrialState.FAIL) and keys.STATUS in t.user_attrs
         }
@@ -224,10 +224,10 @@ class Driver:
             random.Random(self.budget.seed).shuffle(self._grid)
         if any(t.state == TrialState.WAITING for t in trials):
             return True
-        tried = {t.user_attrs.get(keys.CONFIG_KEY) for t in trials}
+        tried = {stored_run_key(k, self.recipe) for t in trials if (k := t.user_attrs.get(keys.CONFIG_KEY))}
         while self._grid:
             config = self._grid.pop()
-            if config.key() not in tried and self.enqueue(config, keys.GRID):
+            if run_key(config, self.recipe) not in tried and self.enqueue(config, keys.GRID):
                 return True
         return False
 
@@ -320,14 +320,15 @@ class Driver:
         self.event("trial_started", trial=trial.number, config=config.active_params(), role=role)
         v = verdict(config, self.recipe, self.device, self.calibration, self.floor)
         trial.set_user_attr(keys.ESTIMATOR_CALIBRATION, round(self.calibration, 4))
-        duplicate = self._measured_twin(key)
+        duplicate = self._measured_twin(run_key(config, self.recipe))
         if v.reason is not None:
             self._prune(trial, config, v.reason)
             if v.estimated_peak_mem_bytes is not None:  # a memory prune: the baseline must still run
                 self._smaller_baseline(role, config)
         elif duplicate is not None:
             trial.set_user_attr(keys.DUPLICATE_OF, duplicate)
-            self._prune(trial, config, f"duplicate of trial {duplicate}; its result is reused, no device run")
+            why = f"duplicate of trial {duplicate} (the same run for this model); its result is reused, no device run"
+            self._prune(trial, config, why)
         else:
             if v.estimated_peak_mem_bytes is not None:
                 trial.set_user_attr(keys.ESTIMATED_PEAK_MEM_BYTES, v.estimated_peak_mem_bytes)
@@ -356,7 +357,7 @@ class Driver:
     def _measured_twin(self, key: str) -> int | None:
         """The trial that already measured (or is measuring) this config, if any."""
         for p in self.pending.values():
-            if p.config.key() == key:
+            if run_key(p.config, self.recipe) == key:
                 return p.trial.number
         return self.measured.get(key)
 
@@ -383,7 +384,7 @@ class Driver:
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # another driver judged us dead and failed this trial; it is being retried
         self.done += 1
-        self.measured[p.config.key()] = p.trial.number
+        self.measured[run_key(p.config, self.recipe)] = p.trial.number
         before = self.best
         if ok:
             self._rank(self.study.get_trials(deepcopy=False))  # a new trial may be the best
