@@ -124,6 +124,9 @@ class ModelSpec(_Section):
         family = info.data.get("family")
         if family is None:  # the family itself was invalid; that error is reported
             return value
+        instead = SET_INSTEAD.get(family, {}).get(info.field_name)
+        if value is not None and instead is not None:
+            raise ValueError(f"the {family} family does not read it; {instead}")
         problem = get_family(family).check_field(info.field_name, value, info.data)
         if problem:
             raise ValueError(problem)
@@ -161,6 +164,19 @@ class ModelSpec(_Section):
 
         return family_of(self).kv_heads(self)
 
+
+# Where a family that does not take one of llama's fields sets the same thing: what a recipe that
+# gives that field is told to do instead of "remove it or set model.family".
+_OPTIONS = "remove it and set the plugin's own option for it in model.options (tuner models lists them)"
+SET_INSTEAD = {
+    "hf": {
+        "kv_heads": "set model.config.num_key_value_heads instead and remove it",
+        "tie_embeddings": "set model.config.tie_word_embeddings instead and remove it",
+        "rope_theta": "set model.config.rope_theta instead and remove it",
+        "ffn_multiple_of": "set model.config.intermediate_size instead and remove it",
+    },
+    "plugin": {"ffn_multiple_of": _OPTIONS, "rope_theta": _OPTIONS, "tie_embeddings": _OPTIONS},
+}
 
 FAMILY_ONLY_FIELDS = (
     "kv_heads", "ffn_multiple_of", "rope_theta", "tie_embeddings", "config", "plugin", "options"

@@ -42,12 +42,15 @@ class ModelFamily:
     Formulas take the recipe's `ModelSpec` and count what the family's torch module really holds
     and computes; a test checks each against a built model. Methods:
     - `ffn_size(m)`: the MLP inner width (the recipe's `ffn`, else the family's rule);
+      `head_dim(m)`, `kv_heads(m)`: one head's width, the key/value heads (default: all heads);
       `gated_mlp(m)`, `rms_norm(m)`, `routed_experts(m)`: the block's kind, for what it saves
       for backward; `masked_attention(m)`: whether attention needs an explicit mask;
     - `block_params(m)`, `block_matmul_params(m)`: one decoder block, all / only what tensor
       parallel splits (the Linear weights);
     - `embedding_params(m)`, `head_params(m)`: what the first / last pipeline stage holds
       outside the blocks; `vocab_params(m)` the part of those split over the vocabulary under tp;
+    - `attention_matmul_params(m)`: the attention's share of `block_matmul_params` (its
+      projections): what selective recompute repeats;
     - `param_count(m)`: the whole model; `matmul_params(m)`: what the 6*N rule counts;
     - `flops_per_token(m, seq_len)`: model FLOPs (forward and backward) per token;
     - `recomputed_flops_per_token(m, recompute)`: the forward FLOPs recomputing one block repeats;
@@ -58,6 +61,14 @@ class ModelFamily:
       whatever device is current (the workload uses `meta`); `parallelize(model, tp_mesh,
       sequence_parallel)`; `init_rule(m)`;
     - `requires(m)`: what must be installed besides this project to build it (`Requirement`).
+
+    Each family implements `ffn_size`, `block_params`, `block_matmul_params`,
+    `attention_matmul_params`, `embedding_params`, `head_params` and `vocab_params` (here they
+    raise NotImplementedError). `build`, `parallelize` and `init_rule` call the same-named
+    functions of `nn_module`, or are overridden. `build` returns a `tuner.models.layers.Decoder`:
+    its `layers` a ModuleDict keyed by layer index ("0", "1", ...), the attributes only the
+    first / last pipeline stage keeps named in `first_parts` / `last_parts`, and each block's
+    class naming its attention submodule in `ATTENTION` (what selective recompute checkpoints).
     """
 
     name: str = ""
@@ -232,6 +243,16 @@ _REGISTRY: dict[str, ModelFamily] = {}
 def register(family: ModelFamily) -> ModelFamily:
     _REGISTRY[family.name] = family
     return family
+def kv_heads_reason(kv_heads: int, heads: int) -> str | None:
+    """Why `kv_heads` key/value heads cannot serve `heads` query heads, else None."""
+    if heads % kv_heads:
+        return (
+            f"kv_heads ({kv_heads}) must divide heads ({heads}): each key/value head serves a whole "
+            "group of query heads; pick a divisor of heads"
+        )
+    return None
+
+
 
 
 def _families() -> list[ModelFamily]:

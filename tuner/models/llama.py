@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tuner.models.base import ModelFamily, register
+from tuner.models.base import ModelFamily, kv_heads_reason, register
 
 if TYPE_CHECKING:
     from tuner.recipe import ModelSpec
@@ -25,11 +25,8 @@ class LlamaFamily(ModelFamily):
     nn_module = "tuner.models.llama_nn"
 
     def check_field(self, field: str, value: Any, values: dict[str, Any]) -> str | None:
-        if field == "kv_heads" and value is not None and "heads" in values and values["heads"] % value:
-            return (
-                f"kv_heads ({value}) must divide heads ({values['heads']}): each key/value head "
-                "serves a whole group of query heads; pick a divisor of heads"
-            )
+        if field == "kv_heads" and value is not None and "heads" in values:
+            return kv_heads_reason(value, values["heads"])
         return super().check_field(field, value, values)
 
     def kv_heads(self, m: ModelSpec) -> int:

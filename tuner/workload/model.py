@@ -12,6 +12,7 @@ from tuner.models import family_of
 from tuner.models.gpt_nn import GPT
 from tuner.models.layers import Decoder, init_parameters
 from tuner.models.llama_nn import Llama
+from tuner.models.plugins import module_problem
 from tuner.recipe import ModelSpec
 
 # Building a module on the meta device runs its init ops through torch's Python decompositions,
@@ -22,9 +23,14 @@ __all__ = ["GPT", "Decoder", "Llama", "build_meta", "build_model", "materialize"
 
 
 def build_meta(m: ModelSpec, attention_backend: str) -> Decoder:
-    """The whole model with no storage: shapes only, nothing allocated or drawn."""
+    """The whole model with no storage: shapes only, nothing allocated or drawn. A plugin's is
+    checked against the module contract the workload relies on (`plugins.module_problem`)."""
+    family = family_of(m)
     with torch.device("meta"):
-        return family_of(m).build(m, attention_backend)
+        model = family.build(m, attention_backend)
+    if m.family == "plugin" and (problem := module_problem(family, m, model)) is not None:
+        raise ValueError(problem)
+    return model
 
 
 @torch.no_grad()
