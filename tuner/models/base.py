@@ -92,6 +92,11 @@ class ModelFamily:
         (Qwen3: 16 heads of 128 over a width of 1,024)."""
         return m.hidden // m.heads
 
+    def attention_widths(self, m: ModelSpec) -> tuple[int, int]:
+        """(query/key, value) width of one head: both `head_dim`, except in multi-head latent
+        attention (MiniCPM3, DeepSeek-V3), whose queries and keys are wider than its values."""
+        return self.head_dim(m), self.head_dim(m)
+
     def kv_heads(self, m: ModelSpec) -> int:
         return m.heads
 
@@ -148,9 +153,9 @@ class ModelFamily:
         return m.layers * self.block_matmul_params(m) + m.hidden * m.vocab
 
     def attention_score_flops_per_token(self, m: ModelSpec, seq_len: int) -> float:
-        """QK^T and the weighted sum of V, forward and backward (6 * 2 * layers * heads * head_dim
-        * seq: the queries' width, which is the model's unless it sets its own head_dim)."""
-        return 12.0 * m.layers * m.heads * self.head_dim(m) * seq_len
+        """QK^T and the weighted sum of V, forward and backward (6 * layers * heads * seq * (the
+        query/key width + the value width), `attention_widths`)."""
+        return 6.0 * m.layers * m.heads * sum(self.attention_widths(m)) * seq_len
 
     def flops_per_token(self, m: ModelSpec, seq_len: int | None = None) -> float:
         """Model FLOPs (forward + backward) per token, PaLM-style: 6N plus attention scores.
@@ -193,11 +198,11 @@ class ModelFamily:
         Qwen2 (tests/test_estimate.py)."""
         if recompute == "none":
             return 0.0
-        h, s, q = m.hidden, m.seq_len, m.heads * self.head_dim(m)
-        attention = 2.0 * self.attention_matmul_params(m) + 4.0 * q * s  # projections, QK^T and AV
-        if recompute == "selective":
-            return attention - 2.0 * q * h
-        return 2.0 * self.block_matmul_params(m) + 4.0 * q * s - 2.0 * h * self.ffn_size(m)
+        h, s, (qk, v) = m.hidden, m.seq_len, self.attention_widths(m)
+        scores = 2.0 * m.heads * (qk + v) * s  # QK^T and AV
+        if recompute == "selective":  # the projections and scores, not the output projection
+            return 2.0 * self.attention_matmul_params(m) + scores - 2.0 * m.heads * v * h
+        return 2.0 * self.block_matmul_params(m) + scores - 2.0 * h * self.ffn_size(m)
 
     def stage_layers(self, m: ModelSpec, stage: int, stages: int) -> range:
         """Decoder layers of pipeline stage `stage` of `stages` (the rules make pp divide layers)."""
@@ -237,12 +242,6 @@ class ModelFamily:
         return self._nn().init_rule(m)
 
 
-_REGISTRY: dict[str, ModelFamily] = {}
-
-
-def register(family: ModelFamily) -> ModelFamily:
-    _REGISTRY[family.name] = family
-    return family
 def kv_heads_reason(kv_heads: int, heads: int) -> str | None:
     """Why `kv_heads` key/value heads cannot serve `heads` query heads, else None."""
     if heads % kv_heads:
@@ -253,6 +252,12 @@ def kv_heads_reason(kv_heads: int, heads: int) -> str | None:
     return None
 
 
+_REGISTRY: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    _REGISTRY[family.name] = family
+    return family
 
 
 def _families() -> list[ModelFamily]:

@@ -104,12 +104,31 @@ def _config_class(model_type: str) -> Any:
 # class that declares `rope_parameters` folds these into it.
 LEGACY_ROPE_KEYS = ("rope_theta", "rope_scaling", "partial_rotary_factor")
 _KWARGS_READ = re.compile(r"kwargs\.(?:get|pop)\(\s*[\"'](\w+)[\"']")
+# `getattr(config, "head_dim", ...)` in a modeling module: a key the model reads though its config
+# class does not declare it (Qwen2, Qwen3-MoE, Cohere, Phi-3... take `head_dim` this way).
+_CONFIG_READ = re.compile(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"'](\w+)[\"']")
+
+
+@functools.cache
+def _modeling_reads(cls: Any) -> frozenset[str]:
+    """The keys the model type's modeling module reads off its config with `getattr`, from the
+    module's source (not imported: a source scan, as for the config class)."""
+    import importlib.util
+
+    module = cls.__module__.replace(".configuration_", ".modeling_")
+    with contextlib.suppress(ImportError, ValueError, AttributeError, OSError):
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin:
+            with open(spec.origin, encoding="utf-8") as f:
+                return frozenset(_CONFIG_READ.findall(f.read()))
+    return frozenset()
 
 
 def _declared(cls: Any) -> set[str]:
     """The keys a config class takes: its fields, the legacy rotary keys where it has
-    `rope_parameters`, and what its own code reads from its extra keyword arguments (Gemma 3's
-    `rope_local_base_freq` and `sliding_window_pattern`)."""
+    `rope_parameters`, what its own code reads from its extra keyword arguments (Gemma 3's
+    `rope_local_base_freq` and `sliding_window_pattern`), and what its modeling module reads with
+    `getattr` (`_modeling_reads`: Qwen3-MoE's `head_dim`)."""
     import inspect
 
     if dataclasses.is_dataclass(cls):
@@ -120,7 +139,7 @@ def _declared(cls: Any) -> set[str]:
         names |= set(LEGACY_ROPE_KEYS)
     with contextlib.suppress(OSError, TypeError):
         names |= set(_KWARGS_READ.findall(inspect.getsource(cls)))
-    return names
+    return names | _modeling_reads(cls)
 
 
 def config_problems(config: Any, where: str = "model.config") -> list[tuple[str, str]]:
@@ -214,18 +233,20 @@ def _build_problems(config: dict[str, Any], where: str) -> list[tuple[str, str]]
         return out
     from tuner.models.hf_layout import counts, layout_problem
 
-    try:
-        c = counts(key)
+    try:  # the layout first: counting a model kept elsewhere than `model.layers` would raise
+        problem = layout_problem(key)
+        c = counts(key) if problem is None else {}
     except Exception as err:  # noqa: BLE001 - same: the config is data, its failure the user's
         reason = _reason(err, typed=True)
         return [(_named(reason, config, where), f"transformers could not build the model: {reason}")]
+    fix = "wrap the model in a plugin family (model.family: plugin) or pick another model_type"
+    if problem:
+        return [(where, f"{problem}; the tuner's decoder cannot run it yet: {fix}")]
     if c["uneven_layer"]:
         return [(where, f"its layers differ in size (layer 0 and layer {c['uneven_layer']}: dense first "
                  "layers of a mixture of experts, or per-layer widths); the tuner's memory and FLOP "
                  "estimates take every layer to be like the first, so such a model is not supported yet")]  # fmt: skip
-    problem = layout_problem(key)
-    fix = "wrap the model in a plugin family (model.family: plugin) or pick another model_type"
-    return [(where, f"{problem}; the tuner's decoder cannot run it yet: {fix}")] if problem else []
+    return []
 
 
 @functools.lru_cache(maxsize=64)
@@ -258,22 +279,6 @@ def _key(config: dict[str, Any]) -> str:
 
 def hf_config(m: ModelSpec) -> Any:
     return resolved(_key(m.config))
-
-
-def sliding_mask(cfg: Any, seq_len: int) -> bool:
-    """Whether the model's sliding-window layers need a mask at `seq_len`: some layer slides, and
-    the sequence is longer than the window (a query sees keys less than the window behind it, so
-    up to the window's length causal attention is the same)."""
-    window = getattr(cfg, "sliding_window", None)
-    return bool(window and seq_len > window and "sliding_attention" in layer_types(cfg))
-
-
-def layer_types(cfg: Any) -> list[str]:
-    """Each decoder layer's attention kind, as transformers' own model reads it: the config's
-    `layer_types` ("full_attention", "sliding_attention", ...), else every layer sliding when the
-    config sets a window (Mistral, Starcoder2) and full when it does not."""
-    every = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
-    return list(getattr(cfg, "layer_types", None) or [every] * cfg.num_hidden_layers)
 
 
 def resolve_model(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
@@ -338,10 +343,14 @@ class HFFamily(ModelFamily):
         """An MoE block's last op is its experts' weighted sum, which needs each expert's down
         projection again: full recompute repeats the whole forward."""
         if recompute == "full" and self.routed_experts(m):
-            return 2.0 * self.block_matmul_params(m) + 4.0 * m.heads * self.head_dim(m) * m.seq_len
+            return (
+                2.0 * self.block_matmul_params(m) + 2.0 * m.heads * sum(self.attention_widths(m)) * m.seq_len
+            )
         return super().recomputed_flops_per_token(m, recompute)
 
     def masked_share(self, m: ModelSpec) -> float:
+        from tuner.models.hf_layout import layer_types, sliding_mask
+
         cfg = hf_config(m)
         if not sliding_mask(cfg, m.seq_len):
             return 0.0
@@ -349,7 +358,17 @@ class HFFamily(ModelFamily):
         return kinds.count("sliding_attention") / len(kinds)
 
     def head_dim(self, m: ModelSpec) -> int:
-        return int(_attr(hf_config(m), "head_dim") or super().head_dim(m))
+        return self.attention_widths(m)[0]
+
+    def attention_widths(self, m: ModelSpec) -> tuple[int, int]:
+        """Multi-head latent attention's queries and keys are `qk_nope_head_dim + qk_rope_head_dim`
+        wide and its values `v_head_dim` (its `head_dim` is the rotary part alone)."""
+        cfg = hf_config(m)
+        nope, rope, v = (_attr(cfg, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        if all(isinstance(x, int) for x in (nope, rope, v)):
+            return nope + rope, v
+        d = int(_attr(cfg, "head_dim") or super().head_dim(m))
+        return d, d
 
     def column_parallel_inputs(self, m: ModelSpec) -> int:
         """The block entries of the model's own tensor-parallel plan that are column-wise."""
@@ -398,6 +417,7 @@ class HFFamily(ModelFamily):
         return [Requirement("transformers", "transformers", have, module="transformers")]
 
     def shape_reasons(self, m: ModelSpec, tp: int, pp: int, sequence_parallel: bool) -> list[tuple[str, str]]:
+        from tuner.models.hf_layout import tp_problem
         from tuner.models.hf_nn import unsupported_tp_styles
 
         r: list[tuple[str, str]] = []
@@ -409,6 +429,8 @@ class HFFamily(ModelFamily):
                 r.append(("model.config", f"{cfg.model_type} has no base_model_tp_plan; use tp = 1"))
             elif bad:
                 r.append(("model.config", f"{cfg.model_type}'s tp plan uses {', '.join(bad)}; use tp = 1"))
+            elif problem := tp_problem(_key(m.config)):
+                r.append(("model.config", f"{cfg.model_type}: {problem}; use tp = 1"))
             if sequence_parallel:
                 r.append(("model.config", "sequence_parallel is not supported for hf models; turn it off"))
         if pp > 1 and self.tied(m):

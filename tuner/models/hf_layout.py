@@ -1,6 +1,7 @@
 """What the hf family reads off transformers' model built on the meta device (no memory): its
-parameter counts and kind of block (`counts`), and whether the tuner's decoder (`hf_nn`) can run
-its layers (`layout_problem`). The decoder calls transformers' decoder layers itself, one by one,
+parameter counts and kind of block (`counts`), whether the tuner's decoder (`hf_nn`) can run
+its layers (`layout_problem`: each layer's attention kind, `layer_types`) and split them by the
+model's tensor-parallel plan (`tp_problem`). The decoder calls transformers' decoder layers itself, one by one,
 with the rotary tables and attention masks that the model's own forward would pass them."""
 
 from __future__ import annotations
@@ -18,7 +19,28 @@ UNFOLLOWED = {
     "decoder leaves to SDPA's causal flag",
     "phi4_multimodal": "its model carries image and audio encoders, which the text decoder leaves "
     "out (their parameters would be counted, never trained); use phi3 for its text model",
+    "gemma3n_text": "its layers take per-layer inputs and shared key/value states (AltUp, per-layer "
+    "embeddings) that its own forward computes",
+    "hrm_text": "its model keeps its layers in two recurrent modules (H_module, L_module), not in layers",
+    "longcat_flash": "its config counts two sublayers per decoder layer (num_hidden_layers = 2 x num_layers), "
+    "so the stages and counts would read twice the layers built",
 }
+
+
+def sliding_mask(cfg: Any, seq_len: int) -> bool:
+    """Whether the model's sliding-window layers need a mask at `seq_len`: some layer slides, and
+    the sequence is longer than the window (a query sees keys less than the window behind it, so
+    up to the window's length causal attention is the same)."""
+    window = getattr(cfg, "sliding_window", None)
+    return bool(window and seq_len > window and "sliding_attention" in layer_types(cfg))
+
+
+def layer_types(cfg: Any) -> list[str]:
+    """Each decoder layer's attention kind, as transformers' own model reads it: the config's
+    `layer_types` ("full_attention", "sliding_attention", ...), else every layer sliding when the
+    config sets a window (Mistral, Starcoder2) and full when it does not."""
+    every = "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
+    return list(getattr(cfg, "layer_types", None) or [every] * cfg.num_hidden_layers)
 
 
 @functools.lru_cache(maxsize=8)
@@ -102,6 +124,10 @@ def layout_problem(config_json: str) -> str | None:
     if cfg.model_type in UNFOLLOWED:
         return f"{cfg.model_type}: {UNFOLLOWED[cfg.model_type]}"
     model = _meta_model(config_json)
+    built, expected = len(getattr(model.model, "layers", None) or ()), getattr(cfg, "num_hidden_layers", None)
+    if expected is not None and built != expected:
+        return (f"it builds {built} decoder layers for num_hidden_layers {expected}, which the stages and "
+                "counts read")  # fmt: skip
     if getattr(model.model, "rotary_emb", None) is None:
         return f"{cfg.model_type} has no model-wide rotary embedding (rotary_emb)"
     plain = [i for i, layer in enumerate(model.model.layers) if not hasattr(layer, "self_attn")]
@@ -113,4 +139,34 @@ def layout_problem(config_json: str) -> str | None:
     rope = getattr(cfg, "rope_parameters", None)
     if isinstance(rope, dict) and set(rope) & set(LAYER_TYPES) and None in rope.values():
         return "some of its layer types have no rotary embedding (rope_parameters: null)"
+    return None
+
+
+# A router's modules: every rank routes the whole (replicated) hidden states, so its weights stay
+# whole under tensor parallel, as the plans leave them.
+ROUTER_NAMES = ("gate", "router")
+
+
+@functools.lru_cache(maxsize=64)
+def tp_problem(config_json: str) -> str | None:
+    """Why the model's own `base_model_tp_plan` (colwise/rowwise entries) cannot split its blocks
+    as the estimator counts them, or None. A parameter the plan leaves whole is fine where every
+    rank applies it to the whole tensor (a norm over the hidden states or over one head, a
+    router); anything else (Youtu's latent-attention projections, which its plan leaves whole on
+    every rank; Cohere's per-head q/k norms, which no longer match the rank's heads) is refused."""
+    import fnmatch
+
+    model = _meta_model(config_json)
+    cfg = model.config
+    plan = getattr(cfg, "base_model_tp_plan", None) or {}
+    covered = [key.removeprefix("layers.*.") for key in plan]
+    widths = {cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    for name, p in model.model.layers[0].named_parameters():
+        module = name.rpartition(".")[0]
+        if any(fnmatch.fnmatchcase(module, key) for key in covered):
+            continue
+        if module.rpartition(".")[2] in ROUTER_NAMES or (p.dim() == 1 and p.shape[0] in widths):
+            continue
+        return (f"its tensor-parallel plan leaves {name} {tuple(p.shape)} whole on every rank: it would not "
+                "match the rank's share of the heads, or run whole where the estimates split the block")  # fmt: skip
     return None

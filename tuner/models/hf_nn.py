@@ -17,12 +17,14 @@ the output are split over the vocabulary, and the loss is the vocabulary-paralle
 from __future__ import annotations
 
 import inspect
+import json
 
 import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from tuner.models.hf import hf_config, layer_types, sliding_mask
+from tuner.models.hf import hf_config
+from tuner.models.hf_layout import layer_types, sliding_mask
 from tuner.models.layers import SDPA_BACKENDS, Decoder
 
 TP_STYLES = ("colwise", "rowwise")
@@ -174,6 +176,7 @@ _LOGIT_SCALE = {
     "cohere": ("logit_scale", 1),
     "cohere2": ("logit_scale", 1),
     "cohere2_moe": ("logit_scale", 1),
+    "cohere_compass_text": ("logit_scale", 1),
     "hyperclovax": ("logits_scaling", 1),
     "granite": ("logits_scaling", -1),
     "granite_swa": ("logits_scaling", -1),
@@ -221,11 +224,16 @@ def parallelize(model: HFDecoder, tp_mesh, sequence_parallel: bool) -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from tuner.models.hf_layout import tp_problem
+
     if sequence_parallel:
         raise ValueError("sequence_parallel is not supported for hf models")
     plan_in = getattr(hf_config(model.spec), "base_model_tp_plan", None) or {}
     if not plan_in or unsupported_tp_styles(plan_in):
         raise ValueError("this hf model has no tensor-parallel plan the tuner can translate")
+    problem = tp_problem(json.dumps(model.spec.config, sort_keys=True))
+    if problem:
+        raise ValueError(f"this hf model's tensor-parallel plan is not usable: {problem}")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {key.removeprefix("layers.*."): styles[style]() for key, style in plan_in.items()}
     for block in model.layers.values():
