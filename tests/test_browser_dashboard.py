@@ -239,6 +239,7 @@ def test_seeded_trials_arrive_live_without_reload(service, page):
     _ready(page)
     page.evaluate("window.__sameDocument = true")
     assert "of 40 trials" in page.inner_text("#page-info")
+    assert page.inner_text("#job-speedup").endswith("×")  # the running job's speedup, by its progress
     with session_scope(service["url"]) as s:
         name = s.get(Job, service["live"]).study_name
     seed_study(service["url"], name, 5, seed=99)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import math
 import os
 import re
 import subprocess
@@ -27,6 +28,7 @@ from api.dashboard.plots import SAMPLE_LIMIT, pareto_front
 from tuner.db import Build, Job, NightlyResult, StudySnapshot, session_scope
 from tuner.executors.nodes import free_port
 from tuner.migrations import upgrade
+from tuner.record import keys
 from tuner.record.importance import importances
 from tuner.record.reader import ROW_ATTRS, Finished, read_study, study_id, with_all_attrs
 from tuner.record.reader import read_trials as read_rows
@@ -270,13 +272,12 @@ def test_plots_of_a_large_study_are_downsampled_but_keep_what_matters(client, db
     rows = _rows(db, "large")
     assert data["total"] == 1500 and data["sampled"] <= SAMPLE_LIMIT
     h = data["history"]
-    # Every best-so-far improvement is kept, so the best line is exact.
-    best, steps = None, []
-    for r in rows:
-        if r.state == "complete" and (best is None or r.tokens_per_s > best):
-            best = r.tokens_per_s
-            steps.append(r.number)
-    assert set(steps) <= set(h["number"]) and h["best"][-1] == best
+    # Every step of the ranking's best-so-far line is kept, so the line is exact and ends at the best.
+    with session_scope(db["url"]) as s:
+        ranking = read_study(s, s.get(Job, db["large"]).study_name).ranking()
+    steps = [e.trial for e in ranking.improvements()]
+    assert set(steps) <= set(h["number"])
+    assert (h["best_trial"][-1], h["best"][-1]) == (ranking.best.trial, ranking.best.tokens_per_s)
     failed = [r.number for r in rows if r.failed]
     assert h["failed"]["number"] == failed  # fewer than a quarter of the points: all kept
     # The Pareto front is non-dominated and exactly the full study's front.
@@ -475,6 +476,7 @@ def test_optuna_dashboard_lists_our_studies(db):
 
 def test_downsampling_caps_failures_but_keeps_every_improvement():
     from api.dashboard.plots import SAMPLE_LIMIT, downsample
+    from tuner.record.ranking import rank_trials
     from tuner.record.trial import TrialRecord as TrialRow
 
     def row(n: int) -> TrialRow:
@@ -491,16 +493,48 @@ def test_downsampling_caps_failures_but_keeps_every_improvement():
         )
 
     rows = [row(n) for n in range(6000)]
-    sample = downsample(rows)
+    ranking = rank_trials(rows, {})
+    sample = downsample(rows, ranking)
     assert len(sample) <= SAMPLE_LIMIT
     assert sum(r.failed for r in sample) == SAMPLE_LIMIT // 4
-    best, improvements = None, []
-    for r in rows:
-        if r.state == "complete" and (best is None or r.tokens_per_s > best):
-            best = r.tokens_per_s
-            improvements.append(r.number)
+    improvements = [e.trial for e in ranking.improvements()]
+    assert len(improvements) > 1 and improvements[-1] == ranking.best.trial
     assert set(improvements) <= {r.number for r in sample}
     assert [r.number for r in sample] == sorted(r.number for r in sample)
+
+
+def test_the_best_so_far_line_is_the_rankings_and_ends_at_its_best():
+    """The fastest first measurements are not the best: #1 measured lower twice more, #2's loss
+    drifts from the fp32 reference, #3 claims inf. The line steps where the ranking says and ends
+    at its best, #4, also when the plot shows a sample of the study; a point above the line says why."""
+    from api.dashboard.plots import downsample, history
+    from tuner.record.ranking import rank_trials
+    from tuner.record.trial import TrialRecord as TrialRow
+
+    def row(n: int, tps: float, amp: str = "O1", losses: tuple[float, ...] = (1.0, 0.9)) -> TrialRow:
+        attrs = {keys.TOKENS_PER_S: tps, keys.LOSSES: list(losses)}
+        return TrialRow(n, "complete", "ok", [tps], {"amp": amp}, attrs, None, None)
+
+    rows = [
+        row(0, 100.0, amp="O0"),  # the fp32 reference
+        row(1, 300.0),  # lucky once: its median over three runs is 150
+        row(2, 400.0, losses=(1.1, 1.0)),  # 11% off the reference's losses
+        row(3, math.inf),
+        row(4, 200.0),
+        row(5, 120.0),
+    ]
+    ranking = rank_trials(rows, {1: [150.0, 140.0]})
+    assert ranking.best.trial == 4 and max(r.tokens_per_s for r in rows) != ranking.best.tokens_per_s
+    assert [e.trial for e in ranking.improvements()] == [0, 1, 4]
+    h = history(rows, ranking)
+    assert h["best"] == [100.0, 150.0, 150.0, 150.0, 200.0, 200.0]
+    assert h["best_trial"] == [0, 1, 1, 1, 4, 4]
+    assert h["eligible"] == [True, True, False, False, True, True]
+    assert h["note"][1].startswith("ranked at its median") and "loss drifts" in h["note"][2]
+    assert h["note"][3] == "cannot win: not a measured throughput"
+    sample = downsample(rows, ranking, limit=3)  # only the line's steps fit
+    assert [r.number for r in sample] == [0, 1, 4]
+    assert (history(sample, ranking)["best_trial"][-1], history(sample, ranking)["best"][-1]) == (4, 200.0)
 
 
 def test_a_queued_job_without_a_study_shows_empty_table_and_plots(client, db):

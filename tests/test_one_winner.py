@@ -1,6 +1,6 @@
 """One study, every reader, one winner: `tuner show`, `GET /v1/jobs/ID/best`, the dashboard's best
-card and the nightly's view of a study name the same trial with the same figure, while the job
-runs and after it ended, on SQLite and PostgreSQL.
+card, the end of its history plot's best-so-far line and the nightly's view of a study name the
+same trial with the same figure, while the job runs and after it ended, on SQLite and PostgreSQL.
 
 The study is made so that the naive answers differ from the ranked one: the config whose first
 measurement is fastest drifts from the fp32 losses (it cannot win), and the next one was lucky once
@@ -60,6 +60,7 @@ def _winners(url: str, job_id: int, recipe_path: str, study: str) -> dict[str, t
         best = client.get(f"/v1/jobs/{job_id}/best", headers=auth).json()
         card = client.get(f"/ui/api/jobs/{job_id}/overview", headers=auth).json()["best"]
         listed = client.get(f"/v1/jobs/{job_id}", headers=auth).json()
+        line = client.get(f"/ui/api/jobs/{job_id}/plots", headers=auth).json()["history"]
     show = CliRunner().invoke(cli, ["show", recipe_path, "--storage", url, "--study", study, "--json"])
     assert show.exit_code == 0, show.output
     shown = json.loads(show.output)["best"]
@@ -75,6 +76,7 @@ def _winners(url: str, job_id: int, recipe_path: str, study: str) -> dict[str, t
         "cli show": (shown["trial"], shown["tokens_per_s"]),
         "/v1/best": (best["trial"], best["tokens_per_s"]),
         "dashboard card": (card["number"], card["tokens_per_s"]),
+        "history plot's best-so-far line": (line["best_trial"][-1], line["best"][-1]),
     }
     if listed["best_tokens_per_s"] is not None:
         out["jobs list"] = (out["cli show"][0], listed["best_tokens_per_s"])

@@ -565,3 +565,62 @@ def test_a_job_whose_heartbeat_arrives_while_it_is_judged_dead_is_left_running(d
     assert recover_jobs(db_url) == []
     with session_scope(db_url) as s:
         assert (s.get(Job, job_id).state, s.get(Job, job_id).worker_id) == ("running", "other-host:1:x")
+
+
+def test_a_running_job_shows_the_rankings_speedup_once_its_baseline_measured(
+    sqlite_url, monkeypatch, tmp_path
+):
+    """The speedup over the baseline appeared only when the job ended. Each trial that measures
+    now updates it on the job (REST, the jobs list, the dashboard's header, the events), by the
+    ranking's best: here O2 runs fastest but its losses drift from fp32's, and micro-batch 8
+    measures at a fifth when re-measured, so the fastest run over the baseline is the wrong figure.
+    The real worker, study driver and storage; the trials a stand-in executor's."""
+    from test_study import NARROW, FakeExecutor, make_recipe
+
+    from api.schemas import JobPublic
+    from tuner.record.reader import read_study
+
+    monkeypatch.setenv("TUNER_RUNS_DIR", str(tmp_path / "runs"))
+    knobs = {**NARROW, "micro_batch_size": [2, 4, 8], "amp": ["O0", "O1", "O2"]}
+    recipe = make_recipe("live", overrides=knobs, search={"sampler": "grid", "trials": 9, "timeout_min": 5})
+    job_id = _queue(sqlite_url, recipe=recipe.to_dict(), recipe_hash=recipe.hash(), trials_total=9)[0]
+    seen = []  # after each measured trial: the job as REST shows it, the study's ranking, its fastest run
+    record = JobRun._record_progress
+
+    def watch(run, event):
+        record(run, event)
+        if event.get("event") == "trial_finished" and event["result"]["status"] == "ok":
+            with session_scope(sqlite_url) as s:
+                job = s.get(Job, run.job_id)
+                study = read_study(s, job.study_name)
+                fastest = max(t.tokens_per_s for t in study.trials if t.completed)
+                seen.append((JobPublic.from_row(job), study.ranking(), fastest))
+
+    monkeypatch.setattr(JobRun, "_record_progress", watch)
+    settings = WorkerSettings(
+        database_url=sqlite_url, heartbeat_s=0.1, artifact_dir="unused", remeasure_top=2, build=False
+    )
+    Worker(settings, executor=FakeExecutor(drift={"O2": 0.05}, again={8: 0.2})).run_once()
+
+    assert len(seen) == 9
+    for job, ranking, _ in seen:
+        assert job.state == "running"
+        if ranking.baseline is None:
+            assert job.speedup is None
+            continue
+        assert (job.best_tokens_per_s, job.baseline_tokens_per_s) == (
+            ranking.best.tokens_per_s,
+            ranking.baseline.tokens_per_s,
+        )
+        assert job.speedup == pytest.approx(ranking.best.tokens_per_s / ranking.baseline.tokens_per_s)
+    assert seen[0][0].speedup is not None, "the baseline runs first: its own trial gives a speedup"
+    naive = [f / r.baseline.tokens_per_s for _, r, f in seen if r.baseline is not None]
+    assert any(j.speedup != pytest.approx(n) for (j, _, _), n in zip(seen, naive, strict=True)), (
+        "the fastest run was the ranking's best throughout: the study does not tell the two rules apart"
+    )
+    shown = [e.payload["speedup"] for e in _events(sqlite_url, job_id) if e.kind == "trial_finished"]
+    assert shown[-1] == pytest.approx(seen[-1][0].speedup)  # what an SSE client reads
+    with session_scope(sqlite_url) as s:
+        job = s.get(Job, job_id)
+        assert job.state == "succeeded" and job.speedup == pytest.approx(job.summary["speedup"])
+        assert job.summary["best"]["config"]["amp"] != "O2"

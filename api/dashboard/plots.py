@@ -1,5 +1,6 @@
 """The job page's plot data, aggregated on the server: a downsampled set of trials (at most 500
-points), knob importance from Optuna's PED-ANOVA evaluator, and the Pareto front.
+points), the best-so-far line by the study's ranking (`tuner.record.ranking`), knob importance from
+Optuna's PED-ANOVA evaluator, and the Pareto front.
 
 The browser draws these series with Plotly. Optuna's own `optuna.visualization` figures were the
 first choice, but they deep-copy every trial per trace and validate every point in Python: 5 s
@@ -8,6 +9,7 @@ for a 1,000-trial sample and ~0.4 MB of JSON per plot, against a 2 s budget for 
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from tuner.perf.predictor import prediction_error
 from tuner.record import keys
 from tuner.record.importance import INDICATIVE_BELOW, RESAMPLES, uncertainty
 from tuner.record.importance import importances as knob_importances
+from tuner.record.ranking import Ranking
 from tuner.record.reader import StudyRecord
 from tuner.record.trial import TrialRecord
 
@@ -61,19 +64,14 @@ def pareto_front(rows: list[TrialRecord]) -> list[TrialRecord]:
     return front
 
 
-def downsample(rows: list[TrialRecord], limit: int = SAMPLE_LIMIT) -> list[TrialRecord]:
-    """At most `limit` finished trials, in number order: every best-so-far improvement and every
-    Pareto-optimal trial, failures (up to a quarter of the points), the rest evenly spaced."""
+def downsample(rows: list[TrialRecord], ranking: Ranking, limit: int = SAMPLE_LIMIT) -> list[TrialRecord]:
+    """At most `limit` finished trials, in number order: every step of the best-so-far line
+    (`Ranking.improvements`: the ranking's rule, so the line drawn from the sample is exact) and
+    every Pareto-optimal trial, failures (up to a quarter of the points), the rest evenly spaced."""
     finished = [r for r in rows if r.finished]
     if len(finished) <= limit:
         return finished
-    keep: set[int] = set()
-    best = None
-    for r in finished:
-        t = _tput(r)
-        if t is not None and (best is None or t > best):
-            keep.add(r.number)
-            best = t
+    keep = {e.trial for e in ranking.improvements()}
     keep.update(r.number for r in pareto_front(finished))
     failed = [r for r in finished if r.failed]
     keep.update(r.number for r in _evenly(failed, limit // 4))
@@ -83,23 +81,49 @@ def downsample(rows: list[TrialRecord], limit: int = SAMPLE_LIMIT) -> list[Trial
     return [r for r in finished if r.number in keep]
 
 
-def history(sample: list[TrialRecord]) -> dict[str, Any]:
+def history(sample: list[TrialRecord], ranking: Ranking) -> dict[str, Any]:
+    """Each sampled trial's first measurement, and the best-so-far line: at each trial, the best of
+    the trials up to it as the study ranks them now (`Ranking.improvements`), so the line ends at
+    the trial every view names as best. A point above the line says why in its `note` (re-measured
+    lower, loss drift, memory) and is not `eligible`."""
     done = [r for r in sample if _tput(r) is not None]
-    best, bests = None, []
-    for r in done:
-        best = _tput(r) if best is None else max(best, _tput(r))
-        bests.append(best)
+    steps = ranking.improvements()
+    step_trials = [e.trial for e in steps]
+    at = [bisect.bisect_right(step_trials, r.number) - 1 for r in done]
+    notes, eligible = _notes(ranking), {e.trial for e in ranking.ranked}
     failed = [r for r in sample if r.failed]
     return {
         "number": [r.number for r in done],
         "tokens_per_s": [_tput(r) for r in done],
-        "best": bests,
+        "best": [steps[i].tokens_per_s if i >= 0 else None for i in at],
+        "best_trial": [steps[i].trial if i >= 0 else None for i in at],
+        "eligible": [r.number in eligible for r in done],
+        "note": [notes.get(r.number) or _excluded(r, eligible) for r in done],
         "failed": {
             "number": [r.number for r in failed],
             "status": [r.status for r in failed],
             "error": [str(r.attrs.get(keys.ERROR) or "")[:200] for r in failed],
         },
     }
+
+
+def _notes(ranking: Ranking) -> dict[int, str]:
+    """Why a trial's point and the line part: the ranking's median over re-measurements, or its
+    reason the trial cannot win."""
+    notes = {e.trial: f"cannot win: {e.flag}" for e in ranking.flagged}
+    for e in ranking.ranked:
+        if e.remeasured_tokens_per_s:
+            notes[e.trial] = f"ranked at its median over re-measurements: {e.tokens_per_s:,.0f} tokens/s"
+    return notes
+
+
+def _excluded(r: TrialRecord, eligible: set[int]) -> str:
+    """Why a completed trial the ranking left out, and did not flag, cannot win ('' when ranked)."""
+    if r.number in eligible:
+        return ""
+    if not r.constraint_ok:
+        return "cannot win: over the memory budget"
+    return "cannot win: not a measured throughput"  # zero, or inf from another program
 
 
 def importances(study: StudyRecord) -> dict[str, float]:
@@ -229,12 +253,13 @@ def plot_data(study: StudyRecord) -> dict[str, Any]:
     """Every plot of the job page, computed once per study version."""
 
     def compute() -> dict[str, Any]:
-        sample = downsample(study.trials)
+        ranking = study.ranking()
+        sample = downsample(study.trials, ranking)
         ranked = importances(study)
         return {
             "total": sum(r.finished for r in study.trials),
             "sampled": len(sample),
-            "history": history(sample),
+            "history": history(sample, ranking),
             "importance": importance(study, ranked),
             # Before importance can be computed (4 trials), every knob that varies gets an axis.
             "parallel": parallel(sample, list(ranked) or _varying(study)),

@@ -1,7 +1,8 @@
 """The one definition of which trial is best (`rank_trials`): the ranking of a study's completed
 trials by their median throughput over every measurement, with the loss-drift check against the
-fp32 reference, the memory constraint, the runner-up and the tie rule. The summary, the worker,
-the build, the nightly, the REST API and the dashboard all call it."""
+fp32 reference, the memory constraint, the runner-up, the tie rule and the steps of the best-so-far
+line (`Ranking.improvements`). The summary, the worker, the build, the nightly, the REST API and
+the dashboard all call it."""
 
 from __future__ import annotations
 
@@ -165,6 +166,17 @@ class Ranking:
             return best.tokens_per_s - entry.tokens_per_s <= spread
         gap = (best.tokens_per_s - entry.tokens_per_s) / best.tokens_per_s
         return gap <= max(best.noise, entry.noise)
+
+    def improvements(self) -> list[Ranked]:
+        """The steps of the best-so-far line, in trial order: each eligible trial that ranks above
+        every eligible trial numbered before it (a tie goes to the earlier, as in the ranking).
+        Trials are judged as the study ranks them now (the median over re-measurements, loss
+        drift, the memory constraint), so the last step is `best`."""
+        steps: list[Ranked] = []
+        for entry in sorted(self.ranked, key=lambda e: e.trial):
+            if not steps or entry.tokens_per_s > steps[-1].tokens_per_s:
+                steps.append(entry)
+        return steps
 
     @property
     def speedup(self) -> float | None:

@@ -1,5 +1,6 @@
 """One claimed job (`JobRun`): a heartbeat and cancel watch on a thread, the study and then the
-build of its winner on this one, progress and state changes recorded as job events."""
+build of its winner on this one, progress and state changes recorded as job events, and the job's
+figures (best, baseline, speedup) kept by the study's ranking while it runs."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ from tuner.db import (
     session_scope,
     utcnow,
 )
+from tuner.record.ranking import Ranking
+from tuner.record.reader import read_study
 from tuner.record.snapshot import snapshot_study
+from tuner.record.status import OK
 from tuner.summary import StudySummary
 from tuner.worker.wording import failure, one_line
 
@@ -109,6 +113,8 @@ class JobRun:
             # The job's own `done` comes after the build; SSE clients stop at the first `done`.
             kind = "study_done"
         payload = {k: v for k, v in event.items() if k != "event"}
+        # Read before the job's row is written: the write lock is not held while the study is read.
+        ranking = self._ranking() if _may_change_ranking(event) else None
         with session_scope(self.url) as s:
             job = s.get(Job, self.job_id)
             if job is None or job.worker_id != self.worker.worker_id:
@@ -124,8 +130,24 @@ class JobRun:
                 job.trials_total = event["total"]
             if event.get("best_tokens_per_s") is not None:
                 job.best_tokens_per_s = float(event["best_tokens_per_s"])
+            if ranking is not None:
+                apply_ranking(job, ranking)
+            if "best_tokens_per_s" in event:  # the figures as the job's row holds them now
+                payload.update(baseline_tokens_per_s=job.baseline_tokens_per_s, speedup=job.speedup)
             job.updated_at = utcnow()
             add_event(s, self.job_id, kind, jsonable(payload))
+
+    def _ranking(self) -> Ranking | None:
+        """The job's study as ranked now (`rank_trials`, through the one reader), or None before it
+        has a study. Best effort: a read that fails leaves the job's figures as they were."""
+        try:
+            with session_scope(self.url) as s:
+                name = s.scalar(select(Job.study_name).where(Job.id == self.job_id))
+                study = read_study(s, name) if name else None
+        except (DatabaseError, SQLAlchemyError) as err:
+            log.warning("job %s: could not rank its study for the progress figures: %s", self.job_id, err)
+            return None
+        return study.ranking() if study is not None else None
 
     def run(self) -> str:
         """Run the job to a final state (or back to queued when the worker shuts down)."""
@@ -305,6 +327,25 @@ def _record_outcome(s: Any, job: Job, outcome: Outcome) -> None:
         "total": job.trials_total,
     }
     add_event(s, job.id, "done", jsonable(done))
+
+
+def _may_change_ranking(event: dict[str, Any]) -> bool:
+    """A trial measured a throughput, or the study ended (after its re-measurements): the best,
+    the baseline or both may have moved."""
+    result = event.get("result")
+    measured = isinstance(result, dict) and result.get("status") == OK
+    return event.get("event") == "done" or (event.get("event") == "trial_finished" and measured)
+
+
+def apply_ranking(job: Job, ranking: Ranking) -> None:
+    """A running job's figures from its study's ranking so far, by the rule its final summary
+    follows (`apply_summary`): the best's median, the baseline's, and the speedup as soon as the
+    baseline and a trial the ranking accepts have measured."""
+    if ranking.best is not None:
+        job.best_tokens_per_s = ranking.best.tokens_per_s
+    if ranking.baseline is not None:
+        job.baseline_tokens_per_s = ranking.baseline.tokens_per_s
+    job.speedup = ranking.speedup
 
 
 def apply_summary(job: Job, summary: StudySummary) -> None:

@@ -53,8 +53,9 @@ async function loadOverview() {
   $("job-header").replaceChildren(...[
     el("h1", {}, isJob ? `Job #${job.id}: ` : "Study: ", recipe, " ", badge(job.state)),
     isJob ? null : el("p", { class: "muted" }, `${job.study_name} · not a job of this service (run by tuner tune or the nightly)`),
-    el("p", {}, el("progress", { max: job.trials_total || 1, value: job.trials_done }),
-      " trials ", el("span", { id: "job-progress" }, job.progress), ` · best ${num(job.best_tokens_per_s)} tokens/s`),
+    // The speedup shows while the job runs: the ranking's best over the baseline, as on the best card.
+    el("p", {}, el("progress", { max: job.trials_total || 1, value: job.trials_done }), " trials ", el("span", { id: "job-progress" }, job.progress),
+      ` · best ${num(job.best_tokens_per_s)} tokens/s · speedup `, el("strong", { id: "job-speedup" }, speedup ? `${speedup.toFixed(2)}×` : "–"), " over the default config"),
     job.error ? errorLine(job) : null].filter(Boolean));
   renderBest(best, speedup, build, job);
   renderFailures(failures);

@@ -7,11 +7,25 @@ function draw(node, traces, layout) {
   return window.Plotly.react(node, traces, { ...LAYOUT, ...layout }, { displaylogo: false, responsive: true });
 }
 
+// The best-so-far line is the study's ranking (the server's `Ranking.improvements`): medians over
+// re-measurements, loss drift and memory decide, so it ends at the trial the best card names. A
+// trial's point is its first measurement; one the ranking excludes is drawn hollow.
 export function history(node, h) {
+  const tokens = (v) => `${Math.round(v).toLocaleString("en-US")} tokens/s`;
+  const points = (keep) => {
+    const idx = h.number.map((_, i) => i).filter((i) => (h.eligible ? h.eligible[i] : true) === keep);
+    return { x: idx.map((i) => h.number[i]), y: idx.map((i) => h.tokens_per_s[i]), hoverinfo: "text",
+      text: idx.map((i) => `#${h.number[i]}: ${tokens(h.tokens_per_s[i])}${h.note && h.note[i] ? `<br>${h.note[i]}` : ""}`) };
+  };
   const traces = [
-    { x: h.number, y: h.tokens_per_s, mode: "markers", name: "trial", marker: { size: 5 } },
-    { x: h.number, y: h.best, mode: "lines", name: "best so far", line: { shape: "hv" } },
+    { ...points(true), mode: "markers", name: "trial", marker: { size: 5 } },
+    { x: h.number, y: h.best, mode: "lines", name: "best so far", line: { shape: "hv" }, hoverinfo: "text",
+      text: h.number.map((_, i) => (h.best[i] == null ? "no eligible trial yet" : `best so far: #${h.best_trial[i]}, ${tokens(h.best[i])}`)) },
   ];
+  const excluded = points(false);
+  if (excluded.x.length) {
+    traces.push({ ...excluded, mode: "markers", name: "cannot win", marker: { size: 6, symbol: "circle-open", color: "#6b7280" } });
+  }
   if (h.failed.number.length) {
     traces.push({
       x: h.failed.number, y: h.failed.number.map(() => 0), mode: "markers", name: "failed",
