@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -65,3 +66,30 @@ def require_read(session: SessionDep, settings: SettingsDep, creds: _Credentials
 
 WriteAuth = Annotated[ApiToken, Depends(require_write)]
 ReadAuth = Annotated[ApiToken | None, Depends(require_read)]
+
+
+def _query_names(dependant: Dependant) -> list[str]:
+    """The query parameters an operation declares, its dependencies' included, in their order
+    (each one by one: a pydantic model of query parameters would need its fields listed here)."""
+    names = [field.alias for field in dependant.query_params]
+    for sub in dependant.dependencies:
+        names += [n for n in _query_names(sub) if n not in names]
+    return names
+
+
+def refuse_unknown_query(request: Request) -> None:
+    """422 for a query parameter the operation does not declare, naming the ones it takes:
+    FastAPI ignores them, so a misspelt `?staus=failed` listed every job and `?devcies=8` planned
+    for the recipe's own device count. Every /v1 router runs it (`api.routes.v1_router`)."""
+    route = request.scope.get("route")  # the matched APIRoute, set by FastAPI before dependencies
+    if route is None:
+        return
+    known = _query_names(route.dependant)
+    unknown = sorted(set(request.query_params) - set(known))
+    if unknown:
+        takes = ", ".join(known) or "no query parameters"
+        raise ApiError(
+            422,
+            f"unknown query parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}",
+            [(f"query.{name}", f"unknown; this endpoint takes {takes}") for name in unknown],
+        )

@@ -109,6 +109,13 @@ _MEANINGS = {
     422: "A parameter or the body is invalid; `errors` names each field.",
     503: "The database is unavailable; `detail` says what to check.",
 }
+# The 422 of an operation that refuses unknown query parameters (`api.routes.v1_router`'s).
+UNKNOWN_QUERY_422 = {
+    422: {
+        "description": "A parameter or the body is invalid, or a query parameter is not one this "
+        "operation takes; `errors` names each field."
+    }
+}
 _SCHEMAS = "#/components/schemas/"
 _ERROR_CONTENT = {"application/json": {"schema": {"$ref": f"{_SCHEMAS}ErrorBody"}}}
 # What FastAPI declares for a 422 by itself: its own validation error, not what `_validation` sends.

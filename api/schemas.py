@@ -103,7 +103,9 @@ class JobPublic(BaseModel):
 
 class JobPage(BaseModel):
     items: list[JobPublic]
-    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null at the end.")
+    next_cursor: str | None = Field(
+        description="Pass as ?cursor=, with the same state, for the next page; null at the end."
+    )
 
 
 class JobLog(BaseModel):
@@ -164,7 +166,9 @@ class TrialPublic(BaseModel):
 class TrialPage(BaseModel):
     items: list[TrialPublic]
     total: int = Field(description="Trials matching the filter.")
-    next_cursor: str | None
+    next_cursor: str | None = Field(
+        description="Pass as ?cursor=, with the same status and sort, for the next page; null at the end."
+    )
 
 
 class BestPublic(BaseModel):

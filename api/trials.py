@@ -1,10 +1,12 @@
 """The /v1 views of a study, from the one reader (`tuner.record.reader.read_study`, cached until
-the study changes): a page of its trials, sorted and filtered in memory, and its winner
-(`tuner.record.winner`)."""
+the study changes): a page of its trials, sorted and filtered in memory and paged by position in
+that order (a keyset cursor), and its winner (`tuner.record.winner`)."""
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -20,8 +22,19 @@ from tuner.record.trial import TrialRecord
 from tuner.record.winner import Verdict, job_verdict
 
 SORTS = ("number", "-number", "tokens_per_s", "-tokens_per_s")
+_BY_NUMBER = ("number", "-number")
 # What ?status= takes: a status word, or an Optuna state.
 STATUS_FILTERS = tuple(dict.fromkeys((*STATUSES, *STATES)))
+# A value sort's cursor: the throughput as Python writes it (an exponent without its `+`, which a
+# query string reads as a space) or nothing for a trial without one, `_`, the trial number.
+_VALUE_CURSOR = re.compile(r"(-?(?:inf|[0-9]+(?:\.[0-9]*)?(?:e-?[0-9]+)?))?_([0-9]{1,9})")
+_NEW_START = "start again without a cursor"
+
+Key = tuple[float, ...]
+
+
+class CursorError(ValueError):
+    """A cursor this list did not give; the message says what to do instead."""
 
 
 def _value(t: TrialRecord) -> float | None:
@@ -29,20 +42,51 @@ def _value(t: TrialRecord) -> float | None:
     return t.values[0] if t.values else None
 
 
-def _ordered(study: StudyRecord, status: str | None, sort: str) -> list[TrialRecord]:
-    def compute() -> list[TrialRecord]:
+def _key(sort: str, number: int, value: float | None) -> Key:
+    """A trial's place in `sort`'s order, as a key that ascends along the list and differs for
+    every trial: the trial number breaks ties, and trials without a throughput come last."""
+    sign = -1 if sort.startswith("-") else 1
+    if sort in _BY_NUMBER:
+        return (sign * number,)
+    return (1, 0.0, number) if value is None else (0, sign * value, number)
+
+
+def _ordered(study: StudyRecord, status: str | None, sort: str) -> tuple[list[TrialRecord], list[Key]]:
+    def compute() -> tuple[list[TrialRecord], list[Key]]:
         rows = study.trials
         if status is not None:
             rows = [t for t in rows if t.status == status or t.state == status]
-        if sort in ("number", "-number"):
-            return sorted(rows, key=lambda t: t.number, reverse=sort == "-number")
-        sign = -1.0 if sort.startswith("-") else 1.0
-        with_value = sorted(
-            (t for t in rows if _value(t) is not None), key=lambda t: (sign * _value(t), t.number)
-        )
-        return with_value + [t for t in rows if _value(t) is None]
+        keyed = sorted(((_key(sort, t.number, _value(t)), t) for t in rows), key=lambda kt: kt[0])
+        return [t for _, t in keyed], [k for k, _ in keyed]
 
     return study.cached(("v1-order", status, sort), compute)
+
+
+def cursor_of(t: TrialRecord, sort: str) -> str:
+    """The cursor of the page that starts at `t`: its place in the order (its number, and its
+    throughput in a value sort), not an offset, so trials added meanwhile shift no later page. A
+    number-sorted page's cursor is the trial number it starts at, which the old offset cursors
+    of an ascending, unfiltered list also were."""
+    if sort in _BY_NUMBER:
+        return str(t.number)
+    value = _value(t)
+    return f"{'' if value is None else repr(value).replace('e+', 'e')}_{t.number}"
+
+
+def cursor_key(cursor: str, sort: str) -> Key:
+    """Where the page of `cursor` starts in `sort`'s order; CursorError when no page of this sort
+    gave it."""
+    by_number = re.fullmatch(r"[0-9]{1,9}", cursor)
+    by_value = _VALUE_CURSOR.fullmatch(cursor)
+    if sort in _BY_NUMBER and by_number:
+        return _key(sort, int(cursor), None)
+    if sort not in _BY_NUMBER and by_value:
+        value = by_value.group(1)
+        return _key(sort, int(by_value.group(2)), float(value) if value else None)
+    if by_number or by_value:
+        made_for = "number" if by_number else "tokens_per_s"
+        raise CursorError(f"a cursor of a page sorted by {made_for}, not {sort}: {_NEW_START}")
+    raise CursorError(f"not a cursor of this list: pass a page's next_cursor unchanged, or {_NEW_START}")
 
 
 def read_trials(
@@ -50,26 +94,29 @@ def read_trials(
     study_name: str,
     *,
     limit: int = 50,
-    offset: int = 0,
+    start: Key | None = None,
     status: str | None = None,
     sort: str = "number",
-) -> tuple[list[dict[str, Any]], int]:
-    """One page of a study's trials (each `TrialPublic` in its JSON form) and the total matching
-    the filter."""
+) -> tuple[list[dict[str, Any]], int, str | None]:
+    """One page of a study's trials (each `TrialPublic` in its JSON form) from `start`
+    (`cursor_key`; None: the first page), the total matching the filter, and the next page's
+    cursor (None after the last page)."""
     study = read_study(session, study_name)
     if study is None:
-        return [], 0
-    ordered = _ordered(study, status, sort)
+        return [], 0, None
+    ordered, keys = _ordered(study, status, sort)
+    first = 0 if start is None else bisect.bisect_left(keys, start)
     public = study.cached("v1-public", dict)  # trial number -> its JSON form, for this version
     page = []
-    for t in ordered[offset : offset + limit]:
+    for t in ordered[first : first + limit]:
         item = public.get(t.number)
         if item is None:
             # Built once per trial and study version: validating and dumping the model for every
             # row of every page was most of a page's time with 10,000 trials.
             item = public[t.number] = public_item(t, study.remeasured.get(t.number, []))
         page.append(item)
-    return page, len(ordered)
+    after = first + limit
+    return page, len(ordered), cursor_of(ordered[after], sort) if after < len(ordered) else None
 
 
 def public_item(t: TrialRecord, remeasured: list[float]) -> dict[str, Any]:

@@ -59,7 +59,8 @@ def test_each_operation_declares_the_errors_it_can_answer(doc):
     assert errors["GET /v1/jobs"] == {401, 403, 422, 503}  # a list has no job to miss: no 404
     assert errors["POST /v1/jobs/{job_id}/cancel"] == {401, 403, 404, 409, 422, 503}
     assert errors["GET /v1/jobs/{job_id}/events"] == {401, 403, 404, 422, 503}
-    assert errors["GET /v1/search-spaces"] == {401, 403, 503}  # no parameters: no 422
+    # No parameters, but a /v1 operation refuses a query parameter it does not take.
+    assert errors["GET /v1/search-spaces"] == {401, 403, 422, 503}
     assert errors["GET /ui/api/compare"] == {401, 403, 404, 422, 503}
     assert errors["GET /ui/api/recipes/{recipe_name}/history"] == {401, 403, 422, 503}
     assert errors["GET /metrics"] == {503}  # no token needed

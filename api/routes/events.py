@@ -7,16 +7,17 @@ import asyncio
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import Header, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
 from api.deps import ReadAuth, SessionDep, SettingsDep
 from api.errors import ApiError
+from api.routes import v1_router
 from api.schemas import JobId
 from tuner.db import FINAL_STATES, Job, JobEvent, session_scope
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])  # errors: api/errors.py's `document_errors`
+router = v1_router("/jobs", tags=["jobs"])  # errors: api/errors.py's `document_errors`
 
 POLL_S = 0.5
 KEEPALIVE_S = 15.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import Depends, Query, Request, Response
 from fastapi.responses import FileResponse
 from sqlalchemy import select
 
@@ -13,6 +13,7 @@ from api.builds import build_response
 from api.deps import ReadAuth, SessionDep, SettingsDep, WriteAuth
 from api.errors import ApiError
 from api.responses import FiniteJSONResponse
+from api.routes import v1_router
 from api.schemas import JOB_ID_MAX, BestPublic, JobId, JobLog, JobPage, JobPublic, JobState, TrialPage
 from api.settings import Settings
 from tuner.db import CANCELLED, FINAL_STATES, QUEUED, Build, Job, add_event, utcnow
@@ -21,7 +22,7 @@ from tuner.space import recipe_space_problems
 
 # The errors that follow from what a route is (401, 404 under a job id, 422, ...) are declared
 # by api/errors.py's `document_errors`; a route declares only its own (409, 415).
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = v1_router("/jobs", tags=["jobs"])
 
 _YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 _RECIPE_BODY = {
@@ -171,7 +172,9 @@ def read_jobs(
         str | None, Query(pattern=r"^[0-9]{1,12}$", description="next_cursor of a page")
     ] = None,
 ):
-    """Jobs, newest first."""
+    """Jobs, newest first, `limit` at a time: `next_cursor` (null on the last page) as ?cursor=
+    gives the next page. A cursor is the last job id shown, so jobs submitted while a client
+    pages do not shift its later pages."""
     query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
     if state:
         query = query.where(Job.state == state)
@@ -234,7 +237,9 @@ def read_trials(
     session: SessionDep,
     _: ReadAuth,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[str | None, Query(pattern=r"^[0-9]{1,9}$", description="next_cursor of a page")] = None,
+    cursor: Annotated[
+        str | None, Query(max_length=40, description="next_cursor of a page of the same sort")
+    ] = None,
     status: Annotated[
         str | None,
         Query(
@@ -245,19 +250,20 @@ def read_trials(
     ] = None,
     sort: Annotated[str, Query(pattern=f"^({'|'.join(trial_store.SORTS)})$")] = "number",
 ):
-    """A study's trials, paginated on the server."""
+    """A study's trials, paginated on the server. A cursor is a place in the sort's order, not an
+    offset: trials added while a client pages do not shift its later pages."""
+    try:
+        start = trial_store.cursor_key(cursor, sort) if cursor else None
+    except trial_store.CursorError as err:
+        raise ApiError(422, "invalid cursor", [("cursor", str(err))]) from None
     job = _get_job(session, job_id)
     if not job.study_name:
         return TrialPage(items=[], total=0, next_cursor=None)
-    offset = int(cursor or 0)
-    items, total = trial_store.read_trials(
-        session, job.study_name, limit=limit, offset=offset, status=status, sort=sort
+    items, total, next_cursor = trial_store.read_trials(
+        session, job.study_name, limit=limit, start=start, status=status, sort=sort
     )
-    nxt = offset + len(items)
     # Items are TrialPublic's JSON already (cached per study version): sent as they are.
-    return FiniteJSONResponse(
-        {"items": items, "total": total, "next_cursor": str(nxt) if nxt < total else None}
-    )
+    return FiniteJSONResponse({"items": items, "total": total, "next_cursor": next_cursor})
 
 
 @router.get(

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
-
 from api.deps import ReadAuth
+from api.routes import v1_router
 
-router = APIRouter(tags=["models"])
+router = v1_router(tags=["models"])
 
 
-@router.get("/v1/models")
+@router.get("/models")
 def list_models(_: ReadAuth) -> dict[str, Any]:
     """Families, the hf family's supported model types, installed plugins and option schemas."""
     from tuner.models.catalog import models_catalog

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import threading
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 
 from api.deps import ReadAuth, SettingsDep
 from api.errors import ApiError
+from api.routes import v1_router
 from api.routes.jobs import _RECIPE_BODY, RawBody, _check_recipe, _parse_body
 
-router = APIRouter(prefix="/v1/plans", tags=["plans"])
-QUERY = ("devices", "top", "device")  # create_plan's query parameters
+router = v1_router("/plans", tags=["plans"])
 # Plans made at once. A plan is CPU work of a second to minutes (thousands of devices, a space of
 # millions); a reader sending many at once starved the service's own requests on a small host.
 # One runs at a time; others are told to come back (429) rather than queued behind it.
@@ -38,13 +38,6 @@ async def create_plan(
     any job ran), from the device priors and every trial measured there. `extrapolated` says
     when it goes beyond them. `device` (V100, A100, H100, H200, 910B): plan for that catalogued
     device instead, from its datasheet priors alone."""
-    unknown = sorted(set(request.query_params) - set(QUERY))
-    if unknown:  # a misspelt ?devcies=8 planned for the recipe's own device count
-        raise ApiError(
-            422,
-            "unknown query parameter",
-            [(f"query.{k}", f"unknown; this endpoint takes {', '.join(QUERY)}") for k in unknown],
-        )
     recipe = _parse_body(body, request.headers.get("content-type", ""))
     _check_recipe(recipe, settings, runs_here=False)
     from tuner.devices import UnavailableDevice

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 from sqlalchemy import select
@@ -14,13 +13,14 @@ from sqlalchemy.orm import Session
 from api.builds import build_response
 from api.deps import ReadAuth, SessionDep
 from api.errors import ApiError
+from api.routes import v1_router
 from api.schemas import StudyPage, StudyPublic
 from tuner.db import Build, Job
 from tuner.record.reader import StudyRecord, read_study
 from tuner.record.studies import JOB, StudyListing, list_studies
 from tuner.record.winner import Verdict, job_verdict
 
-router = APIRouter(prefix="/v1/studies", tags=["studies"])
+router = v1_router("/studies", tags=["studies"])
 
 # Study names hold only build-safe characters (tuner.study.naming).
 StudyName = Annotated[

@@ -11,12 +11,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import func, select, text
 
 from api.deps import ReadAuth, SessionDep, SettingsDep
+from api.routes import v1_router
 from api.schemas import Readiness, SearchSpacePublic
 from api.settings import Settings
 from tuner.db import JOB_STATES, Job
 from tuner.record.studies import trial_counts_and_durations
 
-router = APIRouter(tags=["service"])
+router = APIRouter(tags=["service"])  # unversioned: probes and scrapers
+_v1 = v1_router(tags=["service"])
 
 # Trial duration buckets (seconds): a tiny CPU trial takes seconds, a large GPU one minutes.
 _BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -81,7 +83,10 @@ def read_ready(session: SessionDep, settings: SettingsDep):
     responses={503: {"description": "The database is unavailable."}},  # it has no token to check
 )
 def read_metrics(session: SessionDep):
-    """Prometheus text format: jobs by state, trials by status, trial durations."""
+    """Prometheus text format: jobs by state, trials by status, trial durations. Open, with no
+    token, on purpose: a Prometheus scrape job sends none by default, and these are counts only
+    (no recipe, study name or config). To keep even those private, expose this port only to the
+    scraper's network."""
     by_state = dict(session.execute(select(Job.state, func.count()).group_by(Job.state)).all())
     lines = ["# HELP tuner_jobs Jobs by state.", "# TYPE tuner_jobs gauge"]
     lines += [f'tuner_jobs{{state="{s}"}} {by_state.get(s, 0)}' for s in JOB_STATES]
@@ -100,10 +105,7 @@ def read_metrics(session: SessionDep):
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
-@router.get(
-    "/v1/search-spaces",
-    response_model=list[SearchSpacePublic],
-)
+@_v1.get("/search-spaces", response_model=list[SearchSpacePublic])
 def read_search_spaces(_: ReadAuth):
     """The search spaces a recipe can name in `search.space`, with each knob's domain."""
     from tuner.space import SpaceError, available_spaces, load_space
@@ -117,3 +119,6 @@ def read_search_spaces(_: ReadAuth):
         knobs = {k: ("divisors" if v is None else list(v)) for k, v in space.domains.items()}
         out.append(SearchSpacePublic(name=name, family=space.family, knobs=knobs))
     return out
+
+
+router.include_router(_v1)  # after its routes are declared
