@@ -5,6 +5,7 @@ history. Screenshots land in test-artifacts/screenshots/."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import io
@@ -65,18 +66,23 @@ def service(tmp_path_factory):
         ):
             s.add(NightlyResult(recipe_name="nightly-tiny", night=dt.date(2026, 11, day), fingerprint_hash=torch_version,
                                 fingerprint={**fp, "torch": torch_version}, best_tokens_per_s=best, verdict=verdict))  # fmt: skip
-    port = free_port()
     env = {
-        **os.environ,
-        "TUNER_DATABASE_URL": url,
-        "TUNER_ARTIFACT_DIR": str(d / "artifacts"),
-        "TUNER_REMEASURE_TOP": "0",  # name the winner from one run: keeps the real job short
+        "TUNER_REMEASURE_TOP": "0",
         "TUNER_PUBLIC_READS": "false",
-    }
+    }  # one run names the winner: a short real job
+    with _serve(d, url, env, workers=1) as base:
+        yield {"base": base, "url": url, "token": token, "large": large, "live": live, "archive": archive}
+
+
+@contextlib.contextmanager
+def _serve(d: Path, url: str, env: dict[str, str], *, workers: int):
+    """`tuner serve` on a free loopback port over the database at `url`; yields its base URL."""
+    port = free_port()
+    env = {**os.environ, "TUNER_DATABASE_URL": url, "TUNER_ARTIFACT_DIR": str(d / "artifacts"), **env}
     log = open(d / "serve.log", "w")  # noqa: SIM115 - closed after the server stops
     # Its own session, so stopping it stops its worker and trial processes too.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tuner.cli.main", "serve", "--port", str(port), "--workers", "1"],
+        [sys.executable, "-m", "tuner.cli.main", "serve", "--port", str(port), "--workers", str(workers)],
         cwd=REPO,
         env=env,
         stdout=log,
@@ -95,7 +101,7 @@ def service(tmp_path_factory):
             assert proc.poll() is None, (d / "serve.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "tuner serve did not answer /healthz within 90 s"
             time.sleep(0.3)
-        yield {"base": base, "url": url, "token": token, "large": large, "live": live, "archive": archive}
+        yield base
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -299,3 +305,62 @@ def test_recipe_history_marks_the_regression_and_what_changed(service, page):
     assert "torch 2.8.0 → 2.9.0" in regression.inner_text()
     assert page.locator("#nightly-plot .main-svg").count() > 0
     _shot(page, "recipe-history")
+
+
+OLDER_JOBS = 330  # more than one page of /v1/jobs (200) for every filter below
+
+
+@pytest.fixture(scope="module")
+def many_jobs(tmp_path_factory):
+    """A service (API only, public reads) over 330 finished jobs, every fifth of them failed."""
+    d = tmp_path_factory.mktemp("many-jobs")
+    url = f"sqlite:///{d / 'tuner.db'}"
+    upgrade(url)
+    with session_scope(url) as s:
+        for i in range(1, OLDER_JOBS + 1):
+            name = "the-oldest-job" if i == 1 else f"job-{i}"
+            s.add(
+                Job(
+                    recipe_name=name,
+                    recipe={},
+                    recipe_hash="seeded",
+                    state="failed" if i % 5 == 0 else "succeeded",
+                )
+            )
+    with _serve(d, url, {"TUNER_PUBLIC_READS": "true"}, workers=0) as base:
+        yield {"base": base, "url": url}
+
+
+def _rows(page, n: int) -> None:
+    page.wait_for_function(f"document.querySelectorAll('#jobs-table tbody tr').length === {n}")
+
+
+def test_older_jobs_are_one_click_away_and_stay_live(many_jobs, page):
+    page.goto(f"{many_jobs['base']}/ui/jobs")
+    page.wait_for_selector("body[data-loaded=true]")
+    _rows(page, 200)
+    assert "newest 200 jobs" in page.inner_text("#jobs-shown")
+    assert page.locator("tr[data-job-id='1']").count() == 0
+    page.click("#jobs-older")
+    _rows(page, OLDER_JOBS)
+    assert "the-oldest-job" in page.locator("tr[data-job-id='1']").inner_text()
+    assert page.inner_text("#jobs-shown") == f"Showing all {OLDER_JOBS} jobs."
+    assert page.locator("#jobs-older").is_hidden()
+    # The live refresh keeps the older page it did not load itself, and adds a new job on top.
+    with session_scope(many_jobs["url"]) as s:
+        s.add(Job(recipe_name="a-new-job", recipe={}, recipe_hash="seeded", state="queued"))
+    _rows(page, OLDER_JOBS + 1)
+    assert "a-new-job" in page.locator("#jobs-table tbody tr").first.inner_text()
+    assert page.locator("tr[data-job-id='1']").count() == 1
+    # A filter pages the same way, and its older page keeps the filter.
+    page.select_option("#state-filter", "succeeded")
+    _rows(page, 200)
+    page.click("#jobs-older")
+    succeeded = OLDER_JOBS - OLDER_JOBS // 5
+    _rows(page, succeeded)
+    states = page.eval_on_selector_all(
+        "#jobs-table tbody tr", "rows => [...new Set(rows.map(r => r.dataset.state))]"
+    )
+    assert states == ["succeeded"] and page.locator("tr[data-job-id='1']").count() == 1
+    assert page.inner_text("#jobs-shown") == f"Showing all {succeeded} succeeded jobs."
+    _shot(page, "jobs-older")

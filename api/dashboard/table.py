@@ -108,7 +108,13 @@ def page(
     statuses: list[str],
     knobs: dict[str, str],
 ) -> dict[str, Any]:
-    """One page of the trials table, plus what the filter controls offer."""
+    """One page of the trials table, plus what the filter controls offer.
+
+    Paged by offset, not by /v1's keyset cursor (`api.trials.cursor_key`), whose rule does not
+    fit this order: it keys only the trial number and objective 0, while this table sorts by any
+    column or knob, text ones too (status, node, `recompute: full`), and its tokens_per_s is the
+    measured one (`TrialRecord.tokens_per_s`), which a pruned or failed trial can have too; and
+    the page shows "page N of M", which a cursor cannot jump to."""
     desc = sort.startswith("-")
     column = sort.lstrip("-")
     if column not in COLUMNS and column not in study.distributions:

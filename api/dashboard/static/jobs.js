@@ -1,5 +1,5 @@
-// The jobs page: every job with its progress, filtered by state, and the recipe submission form
-// with the models a recipe can name.
+// The jobs page: every job with its progress, filtered by state and paged newest first, and the
+// recipe submission form with the models a recipe can name.
 import { api, age, badge, el, num, showError } from "./common.js";
 import { loadModels } from "./models.js";
 
@@ -30,18 +30,82 @@ async function loadStudies() {
   }
 }
 
+// The table holds the newest jobs of the filter down to `oldest` (the oldest job id shown; null:
+// the first page only); "Show older jobs" follows the last page's cursor and appends. A refresh
+// reads that same span again from the top, so jobs submitted meanwhile land above, the appended
+// pages stay and stay live (a page of /v1/jobs per 200 jobs shown, each refresh).
+const PAGE_SIZE = 200; // the most one page of /v1/jobs holds
+const shownLine = document.getElementById("jobs-shown");
+const olderButton = document.getElementById("jobs-older");
+const shown = { state: null, jobs: [], next: null, oldest: null };
+
+// One load at a time, in order: a refresh that follows "show older" reads the span it extended.
+let pending = Promise.resolve();
+let refreshWaiting = false;
+const inTurn = (task) => (pending = pending.then(task).catch((err) => showError(status, err)));
+
+function refresh() {
+  if (refreshWaiting) return; // the one waiting reads everything shown when its turn comes
+  refreshWaiting = true;
+  inTurn(() => { refreshWaiting = false; return loadJobs(); });
+}
+
+function readPage(state, cursor) {
+  const query = new URLSearchParams({ limit: String(PAGE_SIZE) });
+  if (state) query.set("state", state);
+  if (cursor) query.set("cursor", cursor);
+  return api(`/v1/jobs?${query}`);
+}
+
+// The newest jobs down to `oldest` (one page when null), and the cursor of the page below them.
+async function readDownTo(state, oldest) {
+  const jobs = [];
+  let next = null;
+  do {
+    const page = await readPage(state, next);
+    jobs.push(...page.items);
+    next = page.next_cursor;
+  } while (next && oldest !== null && Number(next) > oldest);
+  if (oldest === null) return { jobs, next };
+  const kept = jobs.filter((j) => j.id >= oldest);
+  return { jobs: kept, next: kept.length < jobs.length ? String(oldest) : next }; // a cursor: ids below it
+}
+
 async function loadJobs() {
   const state = stateFilter.value;
-  const query = new URLSearchParams({ limit: "200" });
-  if (state) query.set("state", state);
+  const oldest = state === shown.state ? shown.oldest : null; // another filter starts from its newest
   try {
-    const page = await api(`/v1/jobs?${query}`);
-    tbody.replaceChildren(...page.items.map(jobRow));
-    status.textContent = page.items.length ? "" : "No jobs yet: submit a recipe below.";
-    document.body.dataset.loaded = "true";
+    const { jobs, next } = await readDownTo(state, oldest);
+    render(state, jobs, next, oldest);
   } catch (err) {
     showError(status, err);
   }
+}
+
+async function loadOlder() {
+  if (stateFilter.value !== shown.state || !shown.next) return loadJobs();
+  olderButton.disabled = true;
+  try {
+    const page = await readPage(shown.state, shown.next);
+    const jobs = [...shown.jobs, ...page.items];
+    render(shown.state, jobs, page.next_cursor, jobs.length ? jobs[jobs.length - 1].id : null);
+  } catch (err) {
+    olderButton.disabled = false;
+    showError(status, err);
+  }
+}
+
+function render(state, jobs, next, oldest) {
+  Object.assign(shown, { state, jobs, next, oldest });
+  tbody.replaceChildren(...jobs.map(jobRow));
+  const what = state ? `${state} jobs` : "jobs";
+  status.textContent = jobs.length ? "" : state ? `No ${what}.` : "No jobs yet: submit a recipe below.";
+  if (!jobs.length) shownLine.textContent = "";
+  else if (next) shownLine.textContent = `Showing the newest ${num(jobs.length)} ${what}; older ones are not shown yet.`;
+  else shownLine.textContent = `Showing all ${num(jobs.length)} ${what}.`;
+  olderButton.hidden = !next;
+  olderButton.disabled = false;
+  document.body.dataset.loaded = "true";
 }
 
 function jobRow(job) {
@@ -89,7 +153,7 @@ form.addEventListener("submit", async (ev) => {
       body: text.value,
     });
     result.replaceChildren("Queued ", el("a", { id: "new-job-link", href: `/ui/jobs/${job.id}` }, `job #${job.id}`));
-    loadJobs();
+    refresh();
   } catch (err) {
     result.textContent = err.message;
     text.setAttribute("aria-invalid", "true");
@@ -103,9 +167,10 @@ form.addEventListener("submit", async (ev) => {
   }
 });
 
-stateFilter.addEventListener("change", loadJobs);
-loadJobs();
+stateFilter.addEventListener("change", refresh);
+olderButton.addEventListener("click", () => inTurn(loadOlder));
+refresh();
 loadStudies();
 loadModels(text, result);
-setInterval(loadJobs, REFRESH_MS);
+setInterval(refresh, REFRESH_MS);
 setInterval(loadStudies, 5 * REFRESH_MS);
