@@ -327,10 +327,14 @@ def hf_qwen2(layers: int = 4, seq_len: int = 256, devices: int = 1):
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_an_hf_block_saves_what_the_llama_block_it_matches_saves(recompute):
+def test_an_hf_block_saves_what_the_llama_block_it_matches_saves_less_one_width(recompute):
     """Qwen2 is a llama block (RMSNorm, SwiGLU): the hf family took gpt's LayerNorm and two-matrix
     MLP rule for it, 25% (selective: 39%) under the bytes torch's saved-tensor hooks count per
-    layer, where the llama rule is 5% (7%) over (`benchmarks/saved_activations.py qwen2`)."""
+    layer (`benchmarks/saved_activations.py qwen2`). The two modules differ in one tensor: the
+    llama module keeps SDPA's output apart from the output projection's input (five hidden-wide
+    tensors around SDPA, the math kernel's missing output left as a 5% margin), where transformers'
+    contiguous output is that input (four, as measured: +0.0%). Selective and full recompute keep
+    neither, so they are the same."""
     from tuner.estimate import _layer_bytes
     from tuner.models import family_of
 
@@ -341,7 +345,8 @@ def test_an_hf_block_saves_what_the_llama_block_it_matches_saves(recompute):
     family = family_of(hf.model)
     assert family.gated_mlp(hf.model) and family.rms_norm(hf.model)
     config = Config(micro_batch_size=4, recompute=recompute)
-    assert _layer_bytes(hf, config, CPU) == _layer_bytes(llama, config, CPU)
+    one_width = 4 * 256 * 256 * 4 if recompute == "none" else 0  # batch x tokens x hidden, fp32
+    assert _layer_bytes(hf, config, CPU)[recompute] == _layer_bytes(llama, config, CPU)[recompute] - one_width
 
 
 @pytest.mark.slow
@@ -350,7 +355,8 @@ def test_an_hf_qwen2_step_is_estimated_within_the_oom_margin(tmp_path, recompute
     """Measured on a Zen 4 host, one rank, micro-batch 4: 396 (352) MiB held against 319 (266)
     estimated, -19.5% (-24.3%), before the block rule above and before the rank imported
     transformers' modeling module ahead of its memory baseline (111 MiB of code it counted as
-    the model's); 323 (280) against 349 (296), +7.8% (+6.0%), after."""
+    the model's); 323 (280) against 349 (296), +7.8% (+6.0%), after; 324 (281) against 345 (296),
+    +6.2% (+5.6%), with q, k, v and the attention's output counted at the widths saved."""
     from tuner.executors.local import run_trial
     from tuner.result import TrialSpec
 

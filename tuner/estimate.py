@@ -222,9 +222,11 @@ def _state_bytes(recipe: Recipe, config: Config, stage: int) -> _State:
 
 def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str, int]:
     """Bytes one block saves for backward, per recompute mode, by the family's kind of block
-    (`gated_mlp`, `rms_norm`: a Qwen2 saves what a llama block does). Measured against
-    autograd's saved tensors (tests/test_estimate.py) on torch 2.13: RMSNorm keeps fp32 copies
-    of its input and normalised input whatever the dtype; LayerNorm keeps its input."""
+    (`gated_mlp`, `rms_norm`) and the widths its module saves (`saved_widths`: its norms, and
+    q, k, v and the attention's outputs at the heads' widths). Measured against autograd's saved
+    tensors (tests/test_estimate.py, `benchmarks/saved_activations.py`) on torch 2.13: RMSNorm
+    keeps fp32 copies of its input and normalised input whatever the dtype; LayerNorm keeps its
+    input."""
     m, c = recipe.model, config
     low = c.amp != "O0"
     h, f = m.hidden, m.ffn_size
@@ -236,23 +238,29 @@ def _layer_bytes(recipe: Recipe, config: Config, device: DeviceInfo) -> dict[str
     # Sequence parallelism shards the norms and the residual stream over tp; the gathered inputs
     # of the column-parallel matmuls stay whole.
     seq = c.tp if (c.sequence_parallel and c.tp > 1) else 1
-    attn = _attention_matrix(c.attention, b, heads, s, comp, device.family, bsh // c.tp)
     family = family_of(m)
+    qk, v = family.attention_widths(m)
+    attn = _attention_matrix(c.attention, b, heads, s, comp, device.family, b * s * heads * (2 * qk + v))
     if c.attention != "math":  # a fused kernel's backward keeps an explicit mask (the math term has it)
         attn += int(family.masked_share(m) * b * s * s * comp)
+    widths = family.saved_widths(m, fused=c.attention != "math")
     if family.rms_norm(m):
-        norms = 2 * 2 * bsh * 4 // seq  # input and normalised input, fp32, of both RMSNorms
+        per_width = 2 * 4  # input and normalised input, fp32
         kept = 2 * bsh * comp  # what selective keeps of the attention's inputs and output
     else:
-        norms = 2 * bsh * resid // seq  # LayerNorm inputs
+        per_width = resid  # LayerNorm's input
         kept = bsh * 4 + bsh * comp
+    norms = b * s * widths.block_norms * per_width // seq
+    # The queries' and keys' norms sit inside attention: selective recompute repeats them.
+    head_norms = b * s * widths.head_norms // c.tp * per_width
+    attention = int(b * s * widths.attention) // c.tp * comp
     if routed := family.routed_experts(m):
         ffn = _routed_ffn_bytes(routed, b * s, h, comp) // c.tp
     elif family.gated_mlp(m):
         ffn = 4 * b * s * f // c.tp * comp  # gate and up outputs, the activation's output, down's input
     else:
         ffn = 2 * b * s * f // c.tp * comp  # the activation's input, down's input
-    full = norms + 2 * bsh * comp + 5 * bsh // c.tp * comp + ffn + attn
+    full = norms + head_norms + 2 * bsh * comp + attention + ffn + attn
     return {"none": full, "full": bsh * resid // seq, "selective": norms + kept + ffn}
 
 
@@ -310,7 +318,8 @@ def _activation_bytes(
 
 
 def _attention_matrix(backend: str, b: int, heads: int, s: int, comp: int, family: str, qkv: int) -> int:
-    """The math kernel saves the softmax probabilities; fused kernels only a log-sum-exp row."""
+    """The math kernel saves the softmax probabilities; fused kernels only a log-sum-exp row.
+    `qkv`: the elements of q, k and v together, at every head."""
     if backend != "math":
         return b * heads * s * 4
     if family in ("cpu", "cuda") and comp < 4:
@@ -318,5 +327,5 @@ def _attention_matrix(backend: str, b: int, heads: int, s: int, comp: int, famil
         # default, allow_fp16_bf16_reduction_math_sdp off). On an H200, Llama-3 8B's layers at
         # 4096 tokens under bf16 autocast held 49.04 GiB; at 2 bytes a score this gave 44.22
         # (benchmarks/cuda_check.sh, BENCHMARKS "CUDA").
-        return b * heads * s * s * 4 + 3 * qkv * 4 + s * s
+        return b * heads * s * s * 4 + qkv * 4 + s * s
     return b * heads * s * s * comp + s * s  # + the causal mask

@@ -36,6 +36,16 @@ class Requirement:
         )
 
 
+@dataclass(frozen=True)
+class SavedWidths:
+    """Elements per token of the tensors one block saves for backward outside its MLP and its
+    attention scores, by where they sit (the estimator multiplies them by tokens and bytes)."""
+
+    block_norms: int  # the widths the norms over the residual stream normalise, whole on every tp rank
+    head_norms: int  # the queries' and keys' own norms (Qwen3, Gemma 3): split with the heads
+    attention: float  # q, k, v and the attention's outputs around SDPA: split with the heads
+
+
 class ModelFamily:
     """One model family (`model.family` in a recipe).
 
@@ -44,7 +54,8 @@ class ModelFamily:
     - `ffn_size(m)`: the MLP inner width (the recipe's `ffn`, else the family's rule);
       `head_dim(m)`, `kv_heads(m)`: one head's width, the key/value heads (default: all heads);
       `gated_mlp(m)`, `rms_norm(m)`, `routed_experts(m)`: the block's kind, for what it saves
-      for backward; `masked_attention(m)`: whether attention needs an explicit mask;
+      for backward; `saved_widths(m, fused)`: the widths of what else it saves;
+      `masked_attention(m)`: whether attention needs an explicit mask;
     - `block_params(m)`, `block_matmul_params(m)`: one decoder block, all / only what tensor
       parallel splits (the Linear weights);
     - `embedding_params(m)`, `head_params(m)`: what the first / last pipeline stage holds
@@ -125,6 +136,13 @@ class ModelFamily:
         """Whether the blocks normalise with RMSNorm (which saves fp32 copies of its input and
         output whatever the dtype) rather than LayerNorm (its input)."""
         return False
+
+    def saved_widths(self, m: ModelSpec, fused: bool) -> SavedWidths:
+        """What the tuner's own blocks (gpt, llama) save, `fused` kernel or not: two norms over the
+        hidden states; q, and k and v repeated to every head (llama's module repeats them before
+        SDPA), SDPA's output and the output projection's input, each hidden wide. The math kernel
+        keeps no output of its own, one width less (5% of a llama block), left as a margin."""
+        return SavedWidths(block_norms=2 * m.hidden, head_norms=0, attention=5 * m.hidden)
 
     # --- formulas --------------------------------------------------------------------------
     def block_params(self, m: ModelSpec) -> int:

@@ -27,7 +27,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any
 
-from tuner.models.base import ModelFamily, Requirement, register
+from tuner.models.base import ModelFamily, Requirement, SavedWidths, register
 from tuner.models.hf_values import plain_problems, value_problems
 
 if TYPE_CHECKING:
@@ -347,6 +347,14 @@ class HFFamily(ModelFamily):
                 2.0 * self.block_matmul_params(m) + 2.0 * m.heads * sum(self.attention_widths(m)) * m.seq_len
             )
         return super().recomputed_flops_per_token(m, recompute)
+
+    def saved_widths(self, m: ModelSpec, fused: bool) -> SavedWidths:
+        """The norms the meta model has; transformers' SDPA call keeps k and v at the key/value heads
+        in a fused, unmasked kernel with equal head widths up to 256 (`use_gqa_in_sdpa`), else at
+        every head, and its contiguous output is the output projection's input (one tensor)."""
+        c, (qk, v), heads, kv = self._c(m), self.attention_widths(m), m.heads, self.kv_heads(m)
+        kv_saved = heads + (kv - heads) * (1 - self.masked_share(m) if fused and qk == v <= 256 else 0)
+        return SavedWidths(c["norm_width"], c["head_norm_width"], (heads + kv_saved) * (qk + v))
 
     def masked_share(self, m: ModelSpec) -> float:
         from tuner.models.hf_layout import layer_types, sliding_mask

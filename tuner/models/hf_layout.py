@@ -7,6 +7,7 @@ with the rotary tables and attention masks that the model's own forward would pa
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from tuner.models.hf import resolved
@@ -75,6 +76,7 @@ def counts(config_json: str) -> dict[str, int]:
     f, h = int(getattr(model.config, "intermediate_size", 0) or 0), model.config.hidden_size
     c["gated_mlp"] = int(c["block_matmul"] - c["attention_matmul"] == 3 * h * f)
     c["rms_norm"] = int(any("RMSNorm" in type(mod).__name__ for mod in block0.modules()))
+    c["norm_width"], c["head_norm_width"] = _norm_widths(block0, model.config)
     c |= _routed_experts(block0, model.config, c["block_matmul"] - c["attention_matmul"])
     # Each token runs `top_k` of the experts: that share of their weights is the block's matmul
     # parameters (its FLOPs) too.
@@ -86,6 +88,31 @@ def counts(config_json: str) -> dict[str, int]:
     c["tied"] = int(tied)
     c["total"] = sum(p.numel() for p in model.parameters())
     return c
+
+
+# A query's or key's own norm (Qwen3, Gemma 3: q_norm; Persimmon: q_layernorm; Hunyuan:
+# query_layernorm), applied per head or to the whole projection: either way it normalises q or k.
+_HEAD_NORM = re.compile(r"(?:q|query|k|key)_(?:norm|layernorm)")
+
+
+def _norm_widths(block: Any, cfg: Any) -> tuple[int, int]:
+    """Elements per token the block's norms normalise: (over the residual stream, as many as the
+    block has: Gemma 3's sandwich has four; or a latent, by its weight's width), (over the queries
+    and keys: their norms'). The estimator counts the copies a norm saves of each."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    stream = per_head = 0
+    for name, mod in block.named_modules():
+        if "Norm" not in type(mod).__name__ or any(True for _ in mod.children()):
+            continue
+        leaf = name.rpartition(".")[2]
+        if _HEAD_NORM.fullmatch(leaf):
+            per_head += (heads if leaf[0] == "q" else kv) * d
+        else:
+            weight = getattr(mod, "weight", None)
+            stream += weight.shape[-1] if weight is not None and weight.dim() else h
+    return stream, per_head
 
 
 def _routed_experts(block: Any, cfg: Any, mlp_matmul: int) -> dict[str, int]:
