@@ -109,3 +109,98 @@ def test_a_tensor_parallel_graph_compiled_in_one_process_is_found_by_the_next(tm
     compile_tp_once(tmp_path / "plain", "plain")
     plain = compile_tp_once(tmp_path / "plain", "plain")
     assert plain.get("fxgraph_cache_miss") == 2 and not plain.get("fxgraph_cache_hit"), plain
+
+
+# One rank of a build and then of its launch, as `tuner.workload.build_rank` (cold phase) and
+# `tuner.workload.run` do them, around a compiled one-line function instead of a model: the
+# machinery is the real one, only the graph is small (a tiny GPT's C++ kernels took 66 s to compile
+# on 2 cores, too slow for this suite). Rank 1 is a pipeline stage of its own: its graph differs
+# from the others'. Writes rank<R>.json: the cache it loaded, Inductor's counters, its output.
+CACHE_RANK = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    spec = json.load(open(sys.argv[1]))
+    wd, rank, phase = Path(spec["workdir"]), int(os.environ["RANK"]), os.environ["CACHE_TEST_PHASE"]
+    if phase == "build":  # before torch is imported, as build_rank's main does
+        from tuner.workload.build_rank import _point_inductor_at_workdir
+        _point_inductor_at_workdir(wd, rank)
+    import torch, torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from tuner import compile_cache
+
+    dist.init_process_group("gloo")
+    loaded = compile_cache.load_for_rank(rank)
+    fn = (lambda x: (x.cos() + 1) * 3) if rank == 1 else (lambda x: x.sin() * 2)
+    out = torch.compile(fn)(torch.arange(8.0)).sum().reshape(1)
+    dist.all_reduce(out)
+    if phase == "build":
+        compile_cache.save(wd / "cache", rank)
+    mine = {"loaded": loaded and str(loaded), "counters": dict(counters["inductor"]), "sum": out.item()}
+    (wd / f"rank{rank}.json").write_text(json.dumps(mine))
+    if rank == 0:
+        (wd / "result.json").write_text(json.dumps({"status": "ok", "step_time_s": 0.01}))
+    os._exit(0)
+    """
+)
+CACHE_WORLD = 3
+
+
+def run_cache_ranks(root, phase: str, env: dict[str, str]) -> list[dict]:
+    """The three ranks of one phase, through the real trial runner; each rank's rank<R>.json."""
+    from tuner.executors.local import run_trial
+    from tuner.result import TrialSpec
+
+    workdir = root / phase
+    spec = TrialSpec(recipe={}, config={"dp": CACHE_WORLD}, family="cpu", workdir=str(workdir), timeout_s=240)
+    # Scalar kernels: no vector-ISA probe programs to compile in each rank's Inductor directory
+    # (six of them, three quarters of this test's C++ builds).
+    env = {
+        **env,
+        "CACHE_TEST_PHASE": phase,
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "TORCHINDUCTOR_VEC_ISA_OK": "0",
+    }
+    res = run_trial(spec, env=env, module="cache_rank")
+    assert res.status == "ok", f"{res.error}\n{res.log_tail}"
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(CACHE_WORLD)]
+
+
+def test_a_launched_build_gives_each_rank_the_compile_cache_of_its_own_graphs(tmp_path, monkeypatch):
+    """The cold build gives each rank an Inductor directory of its own; the build ships one cache
+    for the ranks that compiled rank 0's graphs and one of its own for a rank whose graphs differ;
+    launched from a fresh Inductor directory (launch.sh's), each rank loads the one with its graphs
+    and compiles nothing. Given the shared cache, rank 1 would compile its graph again; and while
+    the build compared caches byte for byte, no two ranks' caches ever matched (each holds its own
+    Inductor directory's path), so every rank was shipped a cache of its own."""
+    from tuner import compile_cache
+    from tuner.build.base import KERNELS_TAR
+    from tuner.build.kernels import collect_compiled, pack_compiled_kernels
+    from tuner.workload.build_rank import unpack_kernels
+
+    (tmp_path / "cache_rank.py").write_text(CACHE_RANK)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    built = run_cache_ranks(tmp_path, "build", {})
+    cold = tmp_path / "build"
+    kernels = [{p.name for p in (cold / "inductor" / f"rank{r}").glob("*/*.so")} for r in range(3)]
+    assert all(kernels) and kernels[0] == kernels[2] != kernels[1]  # each rank compiled in its own
+    assert all(rank["counters"].get("fxgraph_cache_miss") == 1 for rank in built), built
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    _, caches = collect_compiled(cold, stage, CACHE_WORLD)
+    own = compile_cache.rank_file(1)
+    assert caches == {"rank0": compile_cache.SHARED, "rank1": own, "rank2": compile_cache.SHARED}
+    assert sorted(p.name for p in stage.glob("*.bin")) == sorted([compile_cache.SHARED, own])
+
+    # launch.sh: the compiled kernels unpacked into a fresh directory all ranks share.
+    inductor = tmp_path / "run" / "inductor"
+    packed = pack_compiled_kernels([cold / "inductor" / f"rank{r}" for r in range(3)], cold / KERNELS_TAR)
+    assert packed == len(set().union(*kernels)) == unpack_kernels(cold / KERNELS_TAR, inductor)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), compile_cache.ENV: str(stage / compile_cache.SHARED)}
+    launched = run_cache_ranks(tmp_path, "launch", env)
+    for rank in launched:
+        assert rank["counters"].get("fxgraph_cache_hit") == 1, launched
+        assert not rank["counters"].get("fxgraph_cache_miss"), launched
+    assert [rank["loaded"] for rank in launched] == [str(stage / caches[f"rank{r}"]) for r in range(3)]
+    assert [rank["sum"] for rank in launched] == [rank["sum"] for rank in built]

@@ -152,14 +152,13 @@ def collect_compiled(cold: Path, stage: Path, world: int) -> tuple[list[dict[str
     (stage / "kernels").mkdir()
     index: list[dict[str, Any]] = []
     caches: dict[str, str] = {}
-    rank0 = cold / "cache" / "rank0.bin"
     for r in range(world):
         index += collect_kernels(cold / "inductor" / f"rank{r}", stage / "kernels" / f"rank{r}", r)
         blob = cold / "cache" / f"rank{r}.bin"
         if not blob.is_file():
             continue  # nothing compiled on this rank, nothing to cache
         # Symmetric ranks (dp, tp) usually compile identical graphs: ship one cache for them.
-        same = rank0.is_file() and blob.read_bytes() == rank0.read_bytes()
+        same = compile_cache.same_graphs(cold / "cache", r)
         caches[f"rank{r}"] = compile_cache.SHARED if r == 0 or same else compile_cache.rank_file(r)
         shutil.copy(blob, stage / caches[f"rank{r}"])
     (stage / "kernels" / "index.json").write_text(json.dumps(index, indent=1))

@@ -2,9 +2,10 @@
 trial's rank. TUNER_BUILD_PHASE picks the phase:
 
 - `cold`: compile the config, timing the cold compile; measure, profile, and save the compiler's
-  portable cache (`torch.compiler.save_cache_artifacts`) to `{workdir}/cache/rank{r}.bin`; then
-  measure the same config eager (compile=none) for comparison. Inductor writes its generated
-  kernels under `{workdir}/inductor/rank{r}` (TORCHINDUCTOR_CACHE_DIR); the build collects them.
+  portable cache (`torch.compiler.save_cache_artifacts`) to `{workdir}/cache/rank{r}.bin`, its
+  entries' keys beside it (`tuner.compile_cache.save`); then measure the same config eager
+  (compile=none) for comparison. Inductor writes its generated kernels under
+  `{workdir}/inductor/rank{r}` (TORCHINDUCTOR_CACHE_DIR); the build collects them.
 - `warm`: a fresh process with an empty inductor cache dir unpacks the cold phase's compiled CPU
   kernels (the tar TUNER_BUILD_KERNELS names, when set) into it and loads the cache saved by the
   cold phase (from the directory TUNER_BUILD_CACHE names) before compiling, and times the compile
@@ -111,8 +112,7 @@ def _gather(obj: dict[str, Any], world: int) -> list[dict[str, Any]]:
 
 def cold(spec: Any, env: Any, baseline: int) -> Any:
     """Compiled, then eager: this rank's measurements, profile and saved compile cache."""
-    import torch
-
+    from tuner import compile_cache
     from tuner.workload.profile import profile_steps, write_breakdown
     from tuner.workload.run import PROFILE_STEPS, _result, measure
     from tuner.workload.train import Training
@@ -134,12 +134,9 @@ def cold(spec: Any, env: Any, baseline: int) -> Any:
     eager = result
     if compiled:
         mine["compile_s"] = max(0.0, first - statistics.median(times))
-        saved = torch.compiler.save_cache_artifacts()
+        saved = compile_cache.save(workdir / "cache", env.rank)
         if saved is not None:
-            path = workdir / "cache" / f"rank{env.rank}.bin"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(saved[0])
-            mine["cache_bytes"] = len(saved[0])
+            mine["cache_bytes"] = saved
         del train
         eager_spec = dataclasses.replace(spec, config={**spec.config, "compile": "none"})
         train = Training.from_spec(eager_spec, env)

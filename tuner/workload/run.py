@@ -259,9 +259,7 @@ def run_rank(spec: TrialSpec, env: RankEnv, baseline: int) -> TrialResult | None
     """Run this rank's part of the trial; rank 0 returns the result, the others None."""
     config = spec.config
     set_rank_threads(env, config.get("cpu_affinity", "none"))
-    cache = os.environ.get("TUNER_COMPILE_CACHE")
-    if cache:  # the rank's own cache where the build shipped one (its graphs differ), else the shared
-        torch.compiler.load_cache_artifacts(compile_cache.for_rank(Path(cache), env.rank).read_bytes())
+    compile_cache.load_for_rank(env.rank)  # before Training compiles anything
     train = Training.from_spec(spec, env)
     if env.rank == 0:
         print(f"trial {spec.tag or '-'}: {env.world_size} ranks, {torch.get_num_threads()} threads/rank, "
