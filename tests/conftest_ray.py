@@ -1,18 +1,26 @@
 """Helpers shared by the executor contract and Ray tests: a tiny real trial, a Ray runtime sized
-for a 2-core CI machine, and a look at which trial processes are alive."""
+for a 2-core CI machine, a cluster of two Ray nodes on loopback, and a look at which trial
+processes are alive."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from tuner.config import Config
+from tuner.executors.nodes import free_port
 from tuner.recipe import recipe_from_dict
 from tuner.result import TrialSpec
 
 RAY_CPUS = 2  # the CI machine's cores; a 2-rank trial fills the runtime
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
 def tiny_spec(
@@ -96,3 +104,91 @@ def collect(executor, tags: set[str], timeout_s: float = 120) -> list:
         assert time.monotonic() < deadline, f"results for {tags - {r.tag for r in results}} never came"
         results += executor.wait(timeout=1.0)
     return results
+
+
+def _node_ports() -> list[str]:
+    # Two nodes on one host must not share the agents' default ports.
+    return [
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+    ]
+
+
+def cluster_pids(temp_dirs: list[str], port: int | None = None) -> set[int]:
+    """Every process of a loopback cluster's nodes: those naming their temp dirs (or, with `port`,
+    the head's GCS port), and their children. Not `ray stop`: that kills every Ray process of this
+    user on the host, other runtimes included. One node's alone: its temp dir and no port."""
+    marks = [re.escape(d.encode()) for d in temp_dirs] + ([rb"[\d.]+:%d\b" % port] if port else [])
+    mark = re.compile(rb"|".join(marks))
+    procs: dict[int, tuple[int, bytes]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            procs[int(entry)] = (int(fields[1]), cmdline)
+    found = {pid for pid, (_, cmd) in procs.items() if mark.search(cmd)}
+    while True:
+        children = {pid for pid, (ppid, _) in procs.items() if ppid in found} - found
+        if not children:
+            return found
+        found |= children
+
+
+def signal_pids(pids, sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _stop_cluster(temp_dirs: list[str], port: int) -> None:
+    for sig in (signal.SIGCONT, signal.SIGTERM, signal.SIGKILL):  # SIGCONT: a node a test froze
+        signal_pids(cluster_pids(temp_dirs, port), sig)
+        deadline = time.monotonic() + 2
+        while sig != signal.SIGCONT and cluster_pids(temp_dirs, port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def loopback_cluster(tmp_path_factory, env: dict[str, str] | None = None):
+    """Two Ray nodes on loopback, 1 CPU each, a head (resource "nodeA") and a worker ("nodeB"):
+    yields (the head's address, [head's temp dir, worker's temp dir]); `env` adds Ray settings."""
+    import ray
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    if ray.is_initialized():
+        ray.shutdown()
+    # Token auth, Ray's default, for the nodes and for this driver, which share ~/.ray/auth_token.
+    # Ray reads the mode once per process, so switch it here the way a local ray.init does.
+    _enable_token_auth()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
+    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+
+    port = free_port()
+    temp_dirs = [str(tmp_path_factory.mktemp("ray-head")), str(tmp_path_factory.mktemp("ray-node"))]
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
+    head += [f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dirs[0]}"]
+    worker = [RAY, "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp_dirs[1]}"]
+    try:
+        # The head first, then the worker node: started together on a loaded machine, the worker
+        # gave up before the head's GCS listed the head node. One retry for the worker.
+        for cmd, resource, attempts in ((head, "nodeA", 1), (worker, "nodeB", 2)):
+            cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
+            for _attempt in range(attempts):
+                start = subprocess.run(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180
+                )
+                if start.returncode == 0:
+                    break
+            assert start.returncode == 0, f"{' '.join(cmd[:3])} failed:\n{start.stdout.decode()[-3000:]}"
+        yield f"127.0.0.1:{port}", temp_dirs
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _stop_cluster(temp_dirs, port)

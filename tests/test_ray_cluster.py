@@ -4,10 +4,8 @@ trial and leaves no process; a single-node trial bigger than every node is turne
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -15,101 +13,28 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest_ray import collect, tiny_spec, trial_pids, wait_for
+from conftest_ray import collect, loopback_cluster, tiny_spec, trial_pids, wait_for
 
 from tuner.artifacts import ArtifactStore
-from tuner.executors.nodes import free_port
 from tuner.executors.ray_executor import RayExecutor
 from tuner.record import keys
 
 pytestmark = pytest.mark.slow
 
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-
-
-def _node_ports() -> list[str]:
-    # Two nodes on one host must not share the agents' default ports.
-    return [
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-    ]
-
-
-def _cluster_pids(temp_dirs: list[str], port: int) -> set[int]:
-    """Every process of this test's cluster: those naming its temp dirs or GCS port, and their children.
-
-    Not `ray stop`: that kills every Ray process of this user on the host, other runtimes included.
-    """
-    mark = re.compile(rb"|".join([re.escape(d.encode()) for d in temp_dirs] + [rb"[\d.]+:%d\b" % port]))
-    procs: dict[int, tuple[int, bytes]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            procs[int(entry)] = (int(fields[1]), cmdline)
-    found = {pid for pid, (_, cmd) in procs.items() if mark.search(cmd)}
-    while True:
-        children = {pid for pid, (ppid, _) in procs.items() if ppid in found} - found
-        if not children:
-            return found
-        found |= children
-
-
-def _stop_cluster(temp_dirs: list[str], port: int) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _cluster_pids(temp_dirs, port):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + 2
-        while _cluster_pids(temp_dirs, port) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     import ray
-    from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
-    if ray.is_initialized():
-        ray.shutdown()
-    # Token auth, Ray's default, for the nodes and for this driver, which share ~/.ray/auth_token.
-    # Ray reads the mode once per process, so switch it here the way a local ray.init does.
-    _enable_token_auth()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
-
-    port = free_port()
-    temp_dirs = [str(tmp_path_factory.mktemp("ray-head")), str(tmp_path_factory.mktemp("ray-node"))]
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
-    head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
-    head += [f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dirs[0]}"]
-    worker = [RAY, "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp_dirs[1]}"]
-    try:
-        # The head first, then the worker node: started together on a loaded machine, the worker
-        # gave up before the head's GCS listed the head node. One retry for the worker.
-        for cmd, resource, attempts in ((head, "nodeA", 1), (worker, "nodeB", 2)):
-            cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
-            for _attempt in range(attempts):
-                start = subprocess.run(
-                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180
-                )
-                if start.returncode == 0:
-                    break
-            assert start.returncode == 0, f"{' '.join(cmd[:3])} failed:\n{start.stdout.decode()[-3000:]}"
-        ex = RayExecutor(address=f"127.0.0.1:{port}", lease_dir=str(tmp_path_factory.mktemp("leases")))
-        ex.address = f"127.0.0.1:{port}"
-        yield ex
-        ex.close()
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        _stop_cluster(temp_dirs, port)
+    with loopback_cluster(tmp_path_factory) as (address, _):
+        ex = RayExecutor(address=address, lease_dir=str(tmp_path_factory.mktemp("leases")))
+        ex.address = address
+        try:
+            yield ex
+        finally:
+            ex.close()
+            if ray.is_initialized():
+                ray.shutdown()
 
 
 def test_trials_run_on_both_nodes_on_distinct_cores(two_nodes, tmp_path):

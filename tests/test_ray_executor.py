@@ -159,6 +159,56 @@ def test_killed_worker_fails_its_trial_and_the_next_trial_runs(executor, tmp_pat
     assert executor.wait(timeout=0.5) == []  # the dead trial is not reported a second time
 
 
+@pytest.fixture
+def gpu_held_elsewhere(executor):
+    """Another job holds the runtime's one GPU (a task of its own) for the test's length."""
+    import ray
+
+    def _hold(seconds: float) -> None:  # nested: Ray ships it by value, the test module is not importable
+        time.sleep(seconds)
+
+    holder = ray.remote(num_gpus=1, num_cpus=0, max_retries=0)(_hold).remote(120)
+    wait_for(lambda: ray.available_resources().get("GPU", 0) == 0, 30, "the other job to hold the GPU")
+    yield
+    ray.cancel(holder, force=True)
+    wait_for(lambda: ray.available_resources().get("GPU", 0) == 1, 30, "the GPU to be free again")
+
+
+@pytest.mark.slow
+def test_a_trial_that_never_gets_its_devices_fails_after_its_timeout(
+    executor, gpu_held_elsewhere, tmp_path, monkeypatch
+):
+    """Another job took the GPU between the driver's look (`free_slots`, made stale here) and the
+    trial's start: the trial sat in Ray's queue forever, since its timeout counts from its start."""
+    from tuner.executors import ray_gang
+
+    monkeypatch.setattr(ray_gang, "QUEUE_FLOOR_S", 1.0)
+    monkeypatch.setattr(executor, "free_slots", lambda spec: 1)
+    executor.submit(dataclasses.replace(tiny_spec(tmp_path, "starved", timeout_s=3), family="cuda"))
+    [result] = collect(executor, {"starved"}, timeout_s=30)
+
+    assert result.error_kind == "unschedulable", result.error
+    assert "never got its devices: Ray had not started it" in result.error and "timeout_s" in result.error
+    assert 3 <= result.wall_s < 15 and executor.running() == []
+
+
+@pytest.mark.slow
+def test_a_call_on_devices_that_never_get_free_fails_and_one_no_node_has_fails_at_once(
+    executor, gpu_held_elsewhere, monkeypatch
+):
+    """`tuner build --executor ray` waited forever for a node's devices."""
+    from tuner.executors import ray_devices
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="no live Ray node can run this call: the trial needs 2 GPU"):
+        executor.call_on_devices(os.path.basename, ("a/b",), "cuda", 2)
+    assert time.monotonic() - start < 5
+    monkeypatch.setattr(ray_devices, "CALL_QUEUE_S", 2.0)
+    with pytest.raises(TimeoutError, match="no Ray node started it within 2 s: its devices"):
+        executor.call_on_devices(os.path.basename, ("a/b",), "cuda", 1)
+    assert time.monotonic() - start < 15
+
+
 def test_a_cancel_from_another_thread_while_the_driver_waits_stops_the_trial(executor, tmp_path):
     """The service's heartbeat cancels from its own thread while the study's thread sits in
     `wait`: cancel cleared the running trials that `wait` was iterating and reading."""

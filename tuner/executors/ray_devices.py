@@ -101,18 +101,37 @@ def _one_kind(family: str, answers: list[tuple[Any, dict[str, Any], Any]]) -> tu
 CALL_QUEUE_S = 600.0
 
 
-def call_on_node(fn, args: tuple, options: dict[str, Any]):
+def _started_then(fn, args: tuple):
+    """The task of `call_on_node`: first word that it started (so it holds its devices), then `fn(*args)`."""
+    yield None
+    yield fn(*args)
+
+
+def call_on_node(fn, args: tuple, options: dict[str, Any], timeout_s: float | None = None):
     """`fn(*args)` as a Ray task with `options` (what it reserves), its return value, or the
-    exception it raised. Ctrl-C cancels the task (Ray raises KeyboardInterrupt in it, so whatever
-    supervises processes there stops them) and is raised again here."""
+    exception it raised. A TimeoutError if no node started it within CALL_QUEUE_S (the task is
+    cancelled), or if it then ran past `timeout_s`. Ctrl-C cancels the task (Ray raises
+    KeyboardInterrupt in it, so whatever supervises processes there stops them) and is raised again here."""
     import ray
 
     # max_calls=1: the worker exits after the call, with whatever device context it opened.
-    ref = ray.remote(max_retries=0, retry_exceptions=False, max_calls=1)(fn).options(**options).remote(*args)
+    task = ray.remote(max_retries=0, retry_exceptions=False, max_calls=1, num_returns="streaming")
+    gen = task(_started_then).options(**options).remote(fn, args)
+    wanted = ", ".join(f"{k}={v}" for k, v in options.items())
     try:
-        return ray.get(ref)
+        for bound, late in (
+            (CALL_QUEUE_S, f"no Ray node started it within {CALL_QUEUE_S:g} s: its devices ({wanted}) stayed "
+             "taken (another job may hold them, or a node left the cluster)"),
+            (timeout_s, f"it ran past its {timeout_s} s on the node"),
+        ):  # fmt: skip
+            ref = gen._next_sync(timeout_s=bound)  # next(gen), bounded
+            if ref.is_nil():
+                ray.cancel(gen, force=True)
+                raise TimeoutError(f"a call on a Ray node's devices failed: {late}")
+            value = ray.get(ref)
+        return value
     except KeyboardInterrupt:
-        ray.cancel(ref)
+        ray.cancel(gen)
         raise
     except ray.exceptions.RayTaskError as err:
         cause = getattr(err, "cause", None)

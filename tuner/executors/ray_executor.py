@@ -13,7 +13,9 @@ Placement decisions:
   (`CoreLease`, one directory per host: $TUNER_CORE_LEASE_DIR or /tmp/tuner-core-leases-<uid>) and
   `run_trial` pins its ranks to them.
 - A worker or node that dies mid-trial makes that trial an error result ("worker_died"); Ray's
-  retries are off, so no trial is measured twice or reported twice.
+  retries are off, so no trial is measured twice or reported twice. A frozen node's task says
+  nothing, so `wait` also compares where parts run with Ray's live nodes (`_check_nodes`); a trial
+  still queued that the live nodes cannot hold, or that waited past its timeout_s, fails "unschedulable".
 - cancel() (and Ctrl-C, through close()) first asks each task to stop, and a task ends only after its
   trial's processes are gone; a worker still running after CANCEL_GRACE_S is force-killed, and the
   trial's launcher and ranks follow it through their parent-death signals.
@@ -26,13 +28,13 @@ import dataclasses
 import logging
 import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tuner.executors.base import Executor
+from tuner.executors.ray_address import check_cluster
 from tuner.executors.ray_devices import call_on_node, describe_nodes
 from tuner.executors.ray_gang import (
     Part,
@@ -41,6 +43,8 @@ from tuner.executors.ray_gang import (
     combine,
     free_per_node,
     gang_slots,
+    lost_parts,
+    never_started,
     placement_group,
     trial_nodes,
     unschedulable,
@@ -55,9 +59,9 @@ from tuner.executors.ray_node import (  # noqa: F401 - CoreLease is part of this
     trial_demand,
     world_size,
 )
+from tuner.executors.ray_stream import NOT_YET, await_end, read_part
 from tuner.executors.ray_warm import WarmHosts
 from tuner.executors.session import end_processes_in
-from tuner.record.status import OOM
 from tuner.result import TrialResult, TrialSpec
 
 if TYPE_CHECKING:
@@ -71,12 +75,9 @@ T = TypeVar("T")
 # cancel() first asks each task to stop its trial (run_trial's kill takes at most ~2 * 3 s), then
 # force-kills the workers that did not finish in this time.
 CANCEL_GRACE_S = 10.0
-# How long one read of a part's stream may block. `next()` on Ray's ObjectRefGenerator has no
-# bound: at the end of a stream it waits for the task's return, which never came for a cancelled
-# part whose peer node was killed, and the driver hung until the trial's own timeout (300 s in
-# the node-kill test) with the force-cancel never reached.
-READ_TIMEOUT_S = 0.5
-_NOT_YET = object()  # `_read`: nothing to read yet
+# How often `wait` compares where trials run with Ray's live nodes (`_check_nodes`); Ray itself
+# takes ~15-30 s to declare a node dead.
+NODE_CHECK_S = 2.0
 # Ray's per-node resource view trails a task's start and end by ~0.1 s; free_slots counts a trial
 # that ended less than this long ago as possibly still held in that view.
 RESOURCE_LAG_S = 2.0
@@ -115,7 +116,7 @@ class RayExecutor(Executor):
             address = address or os.environ.get("RAY_ADDRESS") or None
             quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
             if address:
-                _check_reachable(address, source)
+                check_cluster(address, source)
                 ray.init(address=address, **quiet)
             else:
                 # "local", not None: Ray would otherwise join whatever `ray start` last ran on this
@@ -127,6 +128,7 @@ class RayExecutor(Executor):
         # max_retries=0: a rerun after a worker died would measure the trial twice and report once.
         self._task = ray.remote(max_retries=0, retry_exceptions=False, num_returns="streaming")(run_on_node)
         self._running: dict[str, Trial] = {}
+        self._checked = 0.0  # when `_check_nodes` last looked
         self._finished: list[TrialResult] = []
         self._lock = threading.RLock()  # `wait` and `cancel` (the service cancels from its heartbeat)
         self._ended: list[tuple[str, str, int, float]] = []  # (node, resource, amount, when)
@@ -154,6 +156,9 @@ class RayExecutor(Executor):
 
     def call_on_devices(self, fn: Callable[..., T], args: tuple, family: str, count: int) -> T:
         """`fn(*args)` as a task on a node, holding `count` of its `family` devices meanwhile."""
+        reason = unschedulable(self._node_resources()[0], DEVICE_RESOURCE[family], count, 1)
+        if reason:  # Ray would queue it forever
+            raise RuntimeError(f"no live Ray node can run this call: {reason}")
         return call_on_node(fn, args, demand_options(DEVICE_RESOURCE[family], count))
 
     # -- capacity --------------------------------------------------------------------------------
@@ -231,8 +236,8 @@ class RayExecutor(Executor):
 
     def _advance(self, trial: Trial, part: Part) -> TrialResult | None:
         """Read the next item a part's task produced; the trial's TrialResult once it is over."""
-        item = self._read(trial, part)
-        if item is _NOT_YET:
+        item = read_part(trial, part)
+        if item is NOT_YET:
             return None
         if item is None:
             if part.node_rank == 0 and len(trial.parts) == 1:  # node 0 told the rendezvous address
@@ -244,6 +249,10 @@ class RayExecutor(Executor):
         if part.where:
             # Ray's resource view may count the trial a moment longer (see _free_per_node).
             self._ended.append((part.where["ray_node_id"], trial.resource, trial.per_node, time.monotonic()))
+        return self._settle(trial)
+
+    def _settle(self, trial: Trial) -> TrialResult | None:
+        """The trial's result once every part has one; a failed part first stops the others."""
         if trial.failed() is not None and not trial.done():
             self._stop_parts(trial)  # one node failed: the others' ranks would wait on it
         if not trial.done():
@@ -252,7 +261,7 @@ class RayExecutor(Executor):
             from ray.util import remove_placement_group
 
             for p in trial.parts:  # let each task return first: removing the group kills its workers
-                _await_end(p.gen)
+                await_end(p.gen)
             remove_placement_group(trial.group)
         result = combine(trial)
         # What a caller waits for, including Ray's scheduling and worker start (executor overhead).
@@ -274,49 +283,6 @@ class RayExecutor(Executor):
         # Nodes that were never launched (node 0 failed before reporting its address).
         for rank in range(len(trial.parts), trial.nnodes):
             trial.parts.append(Part(None, rank, result=error_result(trial.spec, "cancelled", "not started")))
-
-    def _read(self, trial: Trial, part: Part) -> Any:
-        """The part's next item: None for where it runs (kept in `part.where`), its result, or
-        `_NOT_YET` when the stream has nothing within READ_TIMEOUT_S."""
-        import ray
-        from ray.exceptions import OutOfMemoryError, RayError, RayTaskError, TaskCancelledError
-
-        try:
-            ref = part.gen._next_sync(timeout_s=READ_TIMEOUT_S)  # next(gen), bounded (Ray 2.60)
-            if ref.is_nil():
-                return _NOT_YET
-            item = ray.get(ref)
-        except StopIteration:
-            return error_result(trial.spec, "worker_died", "the Ray task ended without a result", part.where)
-        except TaskCancelledError:
-            return error_result(trial.spec, "cancelled", "the Ray task was cancelled", part.where)
-        except OutOfMemoryError as err:
-            result = error_result(
-                trial.spec, "worker_died", f"Ray killed the worker: {_first_lines(err)}", part.where
-            )
-            result.status = OOM
-            return result
-        except RayTaskError as err:
-            cause = err.cause if isinstance(err.cause, BaseException) else err
-            kind = "cancelled" if isinstance(cause, TaskCancelledError) else type(cause).__name__
-            hint = ""
-            if isinstance(cause, ImportError):
-                hint = (
-                    "\nInstall this package (training-tuner, same version as the driver) on every Ray node."
-                )
-            return error_result(
-                trial.spec, kind, f"the Ray task failed: {_first_lines(err, 12)}{hint}", part.where
-            )
-        except RayError as err:  # WorkerCrashedError, NodeDiedError, OwnerDiedError, ...
-            return error_result(
-                trial.spec, "worker_died", f"{type(err).__name__}: {_first_lines(err)}", part.where
-            )
-        if "status" not in item:
-            part.where = item
-            return None
-        result = TrialResult.from_dict(item)
-        result.node = result.node or item.get("extra", {}).get("ray_node_ip")
-        return result
 
     def wait(self, timeout: float | None = None) -> list[TrialResult]:
         import ray
@@ -340,6 +306,46 @@ class RayExecutor(Executor):
                     if result is not None:
                         del self._running[trial.spec.tag]
                         out.append(result)
+                out += self._check_nodes()
+
+    def _check_nodes(self) -> list[TrialResult]:
+        """End the trials the cluster can no longer run, each NODE_CHECK_S: a part on a node Ray no
+        longer counts as alive (a frozen node's stream stays silent), and a trial never started that
+        the live nodes cannot hold or that waited too long (`ray_gang.never_started`)."""
+        import ray
+
+        now = time.monotonic()
+        if not self._running or now - self._checked < NODE_CHECK_S:
+            return []
+        self._checked = now
+        totals, out = self._node_resources()[0], []
+        for trial in list(self._running.values()):
+            gens = [p.gen for p in trial.parts if p.result is None and p.gen is not None]
+            if gens and ray.wait(gens, num_returns=len(gens), timeout=0)[0]:
+                continue  # something to read first (a start, a result, Ray's own error): next pass
+            reason = never_started(trial, totals, now)
+            if reason:
+                result = self._drop(trial, reason)
+            else:
+                result = self._settle(trial) if lost_parts(trial, totals) else None
+            if result is not None:
+                del self._running[trial.spec.tag]
+                out.append(result)
+        return out
+
+    def _drop(self, trial: Trial, reason: str) -> TrialResult:
+        """End a trial Ray never started: cancel its queued tasks and free its placement group."""
+        import ray
+        from ray.util import remove_placement_group
+
+        for p in trial.parts:
+            with contextlib.suppress(Exception):  # an unplaced task may be gone already
+                ray.cancel(p.gen, force=False)
+        if trial.group is not None:
+            remove_placement_group(trial.group)
+        result = error_result(trial.spec, "unschedulable", reason)
+        result.wall_s = time.monotonic() - trial.submitted
+        return result
 
     def running(self) -> list[str]:
         return list(self._running)
@@ -398,8 +404,8 @@ class RayExecutor(Executor):
             ready, _ = ray.wait([p.gen for _, p in left], num_returns=1, timeout=deadline - time.monotonic())
             for gen in ready:
                 trial, part = next((t, p) for t, p in left if p.gen is gen)
-                item = self._read(trial, part)
-                if item is _NOT_YET:
+                item = read_part(trial, part)
+                if item is NOT_YET:
                     time.sleep(0.05)  # ready by ray.wait, yet the stream's end is still to come
                 elif item is not None:
                     part.result = item
@@ -418,33 +424,3 @@ class RayExecutor(Executor):
         if self._owns_runtime and ray.is_initialized():
             ray.shutdown()
             self._owns_runtime = False
-
-
-def _check_reachable(address: str, source: str) -> None:
-    """Fail fast on a cluster address nothing answers at: Ray itself retries for minutes."""
-    host, _, port = address.rpartition(":")
-    if "://" in address or not host or not port.isdigit():
-        return  # "auto", "ray://..." and the like: Ray resolves them
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as err:
-        raise ConnectionError(
-            f"{source}={address}: no Ray cluster answers there ({err.strerror or err}); start one with "
-            "`ray start --head`, fix the address, or unset RAY_ADDRESS to run trials on a local Ray runtime"
-        ) from None
-
-
-def _await_end(gen, timeout_s: float = 2.0) -> None:
-    """Wait (briefly) for a task that already sent its result to return."""
-    import ray
-
-    if gen is None:
-        return
-    with contextlib.suppress(Exception):  # StopIteration when it has returned; anything else: gone
-        ready, _ = ray.wait([gen], timeout=timeout_s)
-        if ready:
-            gen._next_sync(timeout_s=timeout_s)  # next(gen), bounded: see READ_TIMEOUT_S
-
-
-def _first_lines(err: BaseException, lines: int = 4) -> str:
-    return "\n".join(str(err).strip().splitlines()[:lines])

@@ -2,14 +2,17 @@
 (`STRICT_SPREAD`, so each bundle lands on its own node and Ray reserves them all or none), one task
 per bundle. Node 0's task starts first and reports the rendezvous address (its node's IP and a
 free port); the other nodes' tasks start with it. Their results become one: node 0's measurement,
-or the first real failure of any node."""
+or the first real failure of any node. A trial the cluster can no longer run (a node it runs on
+died, or it was never placed) is judged here too (`lost_parts`, `never_started`)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from tuner.executors.outcome import is_consequence
+from tuner.executors.ray_node import error_result
 from tuner.record.status import OK, OOM
 from tuner.result import TrialResult, TrialSpec
 
@@ -26,6 +29,7 @@ class Part:
     node_rank: int | None  # None: a single-node trial
     where: dict[str, Any] | None = None  # set once the task started on a node
     result: TrialResult | None = None
+    lost: bool = False  # its node died (or froze) while it ran: the cause, whatever the others say
 
 
 @dataclass
@@ -133,22 +137,64 @@ def unschedulable(
     )
 
 
+# The least a trial may wait for its devices (`never_started`), whatever its timeout_s: a Ray
+# worker's start on a loaded node takes seconds.
+QUEUE_FLOOR_S = 30.0
+
+
+def lost_parts(trial: Trial, live: Collection[str]) -> list[Part]:
+    """Mark and return the parts still running on a node Ray no longer counts as alive (by id in
+    `live`). A frozen or cut-off node's task stream stays silent; without this its peers ran out
+    their timeout and the trial blamed them."""
+    lost = [p for p in trial.parts if p.result is None and p.where and p.where["ray_node_id"] not in live]
+    for p in lost:
+        where = p.where or {}
+        message = (
+            f"node died: Ray lost node {where.get('ray_node_ip')} ({where['ray_node_id'][:12]}) while the "
+            "trial ran there (it crashed, froze or was cut off from the cluster)"
+        )
+        p.result, p.lost = error_result(trial.spec, "worker_died", message, p.where), True
+    return lost
+
+
+def never_started(trial: Trial, totals: dict[str, dict[str, float]], now: float) -> str | None:
+    """Why a trial none of whose parts has started never will, or None: the live nodes (their
+    `totals`) can no longer hold it (a node died while it was queued, and Ray keeps a placement
+    group that needs it pending forever), or it has waited past its timeout_s (QUEUE_FLOOR_S at least)."""
+    if any(p.where or p.result for p in trial.parts):
+        return None
+    reason = unschedulable(totals, trial.resource, trial.per_node, trial.nnodes)
+    if reason:
+        return f"the trial never got its devices: a node left the cluster while it was queued, and {reason}"
+    waited, bound = now - trial.submitted, max(trial.spec.timeout_s, QUEUE_FLOOR_S)
+    if waited > bound:
+        return (
+            f"the trial never got its devices: Ray had not started it {waited:.0f} s after it was submitted "
+            f"(the bound is its timeout_s, {QUEUE_FLOOR_S:g} s at least); another job may hold them"
+        )
+    return None
+
+
 def combine(trial: Trial) -> TrialResult:
     """One result for the whole trial: the first real failure of any node (a node that was only
     cancelled, or only lost its peers, because another failed is not the cause), else node 0's
-    measurement, with where every rank ran."""
+    measurement, with where every rank ran. A part whose node died comes first: the others' failures
+    (their peers vanished, or they ran out their timeout waiting) follow from it."""
     failures = [p for p in trial.parts if p.result is not None and p.result.status != OK]
     real = [p for p in failures if p.result.error_kind != "cancelled"] or failures
     # As within a node (`outcome.classify`): an out-of-memory first, then a node that failed on
     # its own before one that only lost its peers or was ended by its launcher; node order within.
-    real.sort(key=lambda p: (p.result.status != OOM, is_consequence(p.result)))
+    real.sort(key=lambda p: (not p.lost, p.result.status != OOM, is_consequence(p.result)))
     if real:
         cause = real[0]
         result = cause.result
         if trial.nnodes > 1 and cause.node_rank is not None:
             result.error = f"node {cause.node_rank} of {trial.nnodes}: {result.error}"
     else:
-        result = next(p.result for p in trial.parts if not p.node_rank)
+        cause = next(p for p in trial.parts if not p.node_rank)
+        result = cause.result
+    # Results the driver makes itself (a lost node, a dead worker) name the node too.
+    result.node = result.node or (cause.where or {}).get("ray_node_ip")
     rank_nodes = []
     for p in sorted(trial.parts, key=lambda p: p.node_rank or 0):
         rank_nodes += [(p.where or {}).get("ray_node_id")] * trial.per_node
