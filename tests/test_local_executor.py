@@ -435,13 +435,13 @@ def test_what_still_works_in_a_cancelled_trials_directory_is_ended(tmp_path):
 def test_a_trials_launcher_records_the_session_it_leads(standin):
     """What `pids_in` goes by: each launch of a trial, warm or cold, records the session its
     launcher led, and that session is the one the result reports."""
-    from tuner.executors.session import SESSION_FILE
+    from tuner.executors.session import SESSION_FILE, host_identity
 
     for start in ("warm", "cold"):
         res = run_trial(make_spec(standin, start), env={"TUNER_WARM_START": "1" if start == "warm" else "0"})
         assert res.status == "ok" and res.extra["start"] == start, res.error
         recorded = (standin / f"trial-{start}" / SESSION_FILE).read_text().split()
-        assert recorded == [str(trial_session(standin / f"trial-{start}"))]
+        assert recorded == [str(trial_session(standin / f"trial-{start}")), host_identity()]
 
 
 def test_cpus_pin_every_rank(standin):

@@ -3,9 +3,6 @@ and the search spaces a recipe can name."""
 
 from __future__ import annotations
 
-import socket
-from urllib.parse import urlparse
-
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from sqlalchemy import func, select, text
@@ -15,6 +12,7 @@ from api.routes import v1_router
 from api.schemas import Readiness, SearchSpacePublic
 from api.settings import Settings
 from tuner.db import JOB_STATES, Job
+from tuner.executors.ray_address import check_cluster
 from tuner.record.studies import trial_counts_and_durations
 
 router = APIRouter(tags=["service"])  # unversioned: probes and scrapers
@@ -35,15 +33,13 @@ def _executor_reachable(settings: Settings) -> tuple[bool, str]:
         return True, "local executor"
     if not settings.ray_address or settings.ray_address == "auto":
         return True, "local Ray (started by the worker)"
-    parsed = urlparse(
-        settings.ray_address if "://" in settings.ray_address else f"ray://{settings.ray_address}"
-    )
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or (10001 if parsed.scheme == "ray" else 6379)
+    # The check the workers' executor makes: Ray's GCS (port 6379 when none is given) answering
+    # there, not merely something accepting connections; a Ray Client address (ray://) is refused.
     try:
-        socket.create_connection((host, port), timeout=1.0).close()
-    except OSError as err:
-        return False, f"Ray at {host}:{port} unreachable ({err.strerror or err}); check RAY_ADDRESS"
-    return True, f"Ray at {host}:{port}"
+        check_cluster(settings.ray_address, "RAY_ADDRESS", timeout_s=1.0)
+    except ConnectionError as err:
+        return False, str(err)
+    return True, f"Ray at {settings.ray_address}"
 
 
 @router.get(

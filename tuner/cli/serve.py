@@ -93,7 +93,7 @@ Examples:
 
 WORKER_HELP = """Run one job worker: claim queued jobs from the database and tune them.
 
-Reads the same settings as `tuner serve` (TUNER_DATABASE_URL, TUNER_ARTIFACT_DIR, TUNER_RUNS_DIR, TUNER_EXECUTOR, TUNER_MAX_TRIALS, ...), checked once at start. SIGTERM or Ctrl-C hands the running job back to the queue.
+Reads the same settings as `tuner serve` (TUNER_DATABASE_URL, TUNER_ARTIFACT_DIR, TUNER_RUNS_DIR, TUNER_EXECUTOR, TUNER_MAX_TRIALS, ...), checked once at start; with --executor ray it joins the cluster at $RAY_ADDRESS first and exits 2 when none answers. A job whose cluster stopped answering goes back to the queue, and none is claimed until it answers again. SIGTERM or Ctrl-C hands the running job back to the queue.
 
 \b
 Examples:
@@ -181,6 +181,10 @@ def worker(
     except DatabaseError as err:
         fail(str(err))
     w = Worker(settings)
+    try:  # at start, as the settings are: a cluster that does not answer would fail each job
+        w.start_executor()
+    except (ImportError, RuntimeError, ValueError, ConnectionError) as err:
+        fail(f"--executor {settings.executor}: cannot start it: {err}")
 
     def _shutdown(signum: int, _frame: object) -> None:
         # No lock in here (see StopFlag): not logging's, whose stream may be mid-write in the

@@ -6,14 +6,32 @@ stay inside a node whenever tp divides L (a feasibility rule)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import dataclass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at `host` now (the OS picks it; closed again at once)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
+    """A TCP port nothing listens on at `host` now (the OS picks it; closed again at once), in the
+    address family of `host` (IPv6 too, bracketed or not). `""`: on every interface, as rank 0's
+    rendezvous store binds it; a port free on one address may be taken on another."""
+    if host == "":
+        return _free_everywhere()
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host.strip("[]"), 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.bind(sockaddr)
+        return s.getsockname()[1]
+
+
+def _free_everywhere() -> int:
+    """A port free on every IPv4 and IPv6 address (a dual-stack `::`), or every IPv4 one where the
+    machine has no IPv6."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET6) as s:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind(("::", 0))
+        return s.getsockname()[1]
+    with socket.socket(socket.AF_INET) as s:
+        s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
 
 

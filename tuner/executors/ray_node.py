@@ -108,7 +108,9 @@ def _node_part(spec: TrialSpec, part: dict[str, Any] | None, ip: str, where: dic
     if part is None:
         return None
     rank = int(part["node_rank"])
-    addr, port = (ip, free_port(ip)) if rank == 0 else (part["master_addr"], int(part["master_port"]))
+    # Free on every interface, not just `ip`: rank 0's store binds them all, and a port taken on
+    # another address (a container's, loopback's) failed the trial when it started.
+    addr, port = (ip, free_port("")) if rank == 0 else (part["master_addr"], int(part["master_port"]))
     where.update(node_rank=rank, master_addr=addr, master_port=port)
     if rank:  # nodes may share a filesystem (one host here): each keeps its own trial directory
         spec.workdir = str(Path(spec.workdir) / f"node{rank}")

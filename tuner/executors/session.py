@@ -46,24 +46,45 @@ def session_pids(sid: int) -> list[int]:
     return [pid for pid, fields in _live_processes() if int(fields[3]) == sid]
 
 
-# In a trial's directory (a node part's, on Ray): the session its launcher leads, written before
-# it starts a rank (`record_session`). The latest launch's only: an earlier launch's session was
-# ended with it, and its number may since lead somebody else's.
+# In a trial's directory (a node part's, on Ray): the session its launcher leads and the host it runs
+# on, written before it starts a rank (`record_session`). The latest launch's only: an earlier
+# launch's session was ended with it, and its number may since lead somebody else's.
 SESSION_FILE = "session"
 
 
+def host_identity() -> str:
+    """This machine and pid namespace: a session id means a process group only where it was
+    recorded. A runs directory shared between hosts (compose's /data/runs, NFS) holds the node
+    parts' session files of other machines, whose numbers may be anyone's here."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""  # no /proc: no entry is known to be this host's, and none is acted on
+    return f"{boot}/{pidns}"
+
+
 def record_session(workdir: Path) -> None:
-    """Record the session this process leads (a trial's launcher, before its ranks start) in
-    `workdir`, so that `pids_in` can tell the trial's processes from anyone else's."""
-    (workdir / SESSION_FILE).write_text(f"{os.getsid(0)}\n")
+    """Record the session this process leads (a trial's launcher, before its ranks start) and this
+    host (`host_identity`) in `workdir`, so that `pids_in` can tell the trial's processes from
+    anyone else's."""
+    (workdir / SESSION_FILE).write_text(f"{os.getsid(0)} {host_identity()}\n")
 
 
 def trial_sessions(directory: str) -> set[int]:
-    """The sessions the trial's launchers recorded in `directory` or below it."""
+    """The sessions the trial's launchers recorded in `directory` or below it on this host.
+
+    A file without this host's identity is not acted on: another host's, or one written before
+    the identity was recorded (a launcher of an earlier version; nothing tells whose machine it
+    ran on, and killing a stranger's session is worse than leaving a cancelled trial's remains to
+    its launcher's own parent-death watch)."""
+    here = host_identity()
     sids = set()
     for path in Path(directory).rglob(SESSION_FILE):
-        with contextlib.suppress(OSError):
-            sids.update(int(word) for word in path.read_text().split() if word.isdigit())
+        with contextlib.suppress(OSError, ValueError):
+            sid, host = path.read_text().split()
+            if here and host == here:
+                sids.add(int(sid))
     return sids - {0}
 
 

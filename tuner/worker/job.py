@@ -157,13 +157,20 @@ class JobRun:
             outcome = self._run_study()
         except Exception as err:  # noqa: BLE001 - a failing job is data; the worker keeps going
             log.exception("job %s failed", self.job_id)
-            # Stopping trials can make the study raise; a stop that was asked for is not a failure.
-            outcome = self._stopped() or Outcome(
-                FAILED,
-                error=failure(
-                    "the study failed", err, "see the job's log; fix the recipe or the worker and resubmit"
-                ),
-                log=traceback.format_exc(),
+            # Stopping trials can make the study raise; a stop that was asked for is not a failure,
+            # nor is a cluster that stopped answering (`Worker.executor_lost`): the job goes back.
+            outcome = (
+                self._stopped()
+                or self._executor_lost()
+                or Outcome(
+                    FAILED,
+                    error=failure(
+                        "the study failed",
+                        err,
+                        "see the job's log; fix the recipe or the worker and resubmit",
+                    ),
+                    log=traceback.format_exc(),
+                )
             )
         finally:
             self._done.set()
@@ -230,6 +237,14 @@ class JobRun:
             return Outcome(CANCELLED)
         return None
 
+    def _executor_lost(self) -> Outcome | None:
+        """Back to the queue, when the study failed because the worker's cluster went away."""
+        lost = self.worker.executor_lost()
+        if lost is None:
+            return None
+        log.error("job %s: handing it back: %s", self.job_id, lost)
+        return Outcome(QUEUED, error=lost)
+
     def _build(self, recipe: Any, name: str, trial_number: int) -> BuildOutcome:
         try:
             from tuner.artifacts import ArtifactStore
@@ -290,7 +305,7 @@ class JobRun:
             if state == QUEUED:
                 # Graceful shutdown: hand the job back without spending one of its attempts.
                 job.state, job.worker_id, job.attempts = QUEUED, None, max(0, job.attempts - 1)
-                add_event(s, job.id, "requeued", {"reason": "worker shut down"})
+                add_event(s, job.id, "requeued", {"reason": outcome.error or "worker shut down"})
                 return state
             _record_outcome(s, job, outcome)
         log.info("job %s: %s", self.job_id, state)

@@ -4,6 +4,7 @@ workers that died. Run several workers (processes or hosts) for more jobs at onc
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,29 @@ class Worker:
             self._executor = make_executor(self.settings.executor)
         return self._executor
 
+    def start_executor(self) -> None:
+        """Join the Ray cluster now, at the worker's start (`tuner worker` exits 2 on its error):
+        joined at a job's claim instead, a cluster that did not answer failed every queued job in
+        turn within milliseconds. The local executor has nothing to reach; it is made at the first
+        job, as before (it starts its warm helper, a torch import)."""
+        if self.settings.executor == "ray":
+            _ = self.executor
+
+    def executor_lost(self) -> str | None:
+        """Why this worker's executor cannot run trials now (its Ray cluster no longer answers),
+        or None. A job that failed meanwhile goes back to the queue (`JobRun`), and no job is
+        claimed until the cluster answers again: the fault is the worker's, not the job's."""
+        address = os.environ.get("RAY_ADDRESS")
+        if self.settings.executor != "ray" or not address:
+            return None  # a local Ray runtime lives and dies with this process
+        from tuner.executors.ray_address import check_cluster
+
+        try:
+            check_cluster(address, "RAY_ADDRESS")
+        except ConnectionError as err:
+            return str(err)
+        return None
+
     def cancel_trials(self) -> None:
         """Stop the trials in flight (from the job's heartbeat thread). An executor not made yet
         runs none: it is not made here, where the job's own thread may be making it."""
@@ -95,6 +119,11 @@ class Worker:
         """Claim and run one job; returns its id, or None when the queue was empty."""
         from tuner.worker.job import JobRun
 
+        lost = self.executor_lost()
+        if lost:
+            log.error("worker %s: claiming no job until the cluster answers: %s", self.worker_id, lost)
+            self.shutdown.wait(RETRY_S)
+            return None
         job_id = claim_job(self.settings.database_url, self.worker_id)
         if job_id is not None:
             JobRun(self, job_id).run()
