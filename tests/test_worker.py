@@ -346,6 +346,62 @@ def test_shutdown_hands_the_job_back_without_spending_an_attempt(sqlite_url, mon
     assert _events(sqlite_url, job_id)[-1].kind == "requeued"
 
 
+def test_a_job_whose_study_another_driver_holds_waits_in_the_queue_and_runs_once_it_is_free(
+    db_url, monkeypatch
+):
+    """A CLI `tuner tune` of the job's recipe drove its study when the job came: the job failed
+    ("the study failed: ... being tuned by another driver"). Now it waits: back in the queue
+    without spending an attempt, said once, looked at again after STUDY_BUSY_RETRY_S while other
+    jobs run, and run once the study is free. The lease is the real one (`claim_study`)."""
+    import optuna
+
+    from tuner.record import keys
+    from tuner.resume import claim_study, new_owner
+    from tuner.study import study_name
+    from tuner.study.preflight import preflight
+
+    def run_study(recipe, *, study_name, **kw):  # the real run_study's first step: its claim
+        study = optuna.create_study(study_name=study_name, storage=db_url, load_if_exists=True)
+        claim_study(study, new_owner())
+        return _study(None)(recipe, **kw)
+
+    monkeypatch.setattr("tuner.study.run_study", run_study)
+    monkeypatch.setattr("tuner.worker.service.STUDY_BUSY_RETRY_S", 1.5)
+    job_id, other_job = _queue(db_url)[0], _queue(db_url, recipe=_own_study())[0]
+    worker = _worker(db_url, build=False)
+    name = study_name(RECIPE, preflight(RECIPE, RECIPE.search.sampler, worker.executor).fingerprint)
+    cli = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the CLI's driver
+    try:
+        study = optuna.create_study(study_name=name, storage=db_url)
+        owner = {"host": socket.gethostname(), "pid": cli.pid, "id": "cli"}
+        study._storage.set_study_system_attr(
+            study._study_id, keys.STUDY_DRIVER, {"owner": owner, "heartbeat": time.time()}
+        )
+        assert worker.run_once() == job_id
+        with session_scope(db_url) as s:
+            job = s.get(Job, job_id)
+            assert (job.state, job.worker_id, job.attempts, job.error) == ("queued", None, 0, None)
+        (event,) = _events(db_url, job_id)[1:]
+        assert event.kind == "requeued"
+        assert (
+            f"waiting for its study: study {name} is being tuned by another driver (pid {cli.pid}"
+            in (event.payload["reason"])
+        )
+        assert worker.run_once() == other_job  # held back: the next job runs meanwhile
+        assert worker.run_once() is None
+        time.sleep(1.6)
+        assert worker.run_once() == job_id  # still held by the CLI: back again, not said twice
+        assert [e.kind for e in _events(db_url, job_id)] == ["state", "requeued", "state"]
+    finally:
+        cli.kill()
+        cli.wait()
+    time.sleep(1.6)
+    assert worker.run_once() == job_id  # the CLI's driver ended: the job runs
+    with session_scope(db_url) as s:
+        job = s.get(Job, job_id)
+        assert (job.state, job.attempts) == ("succeeded", 1)
+
+
 def test_a_worker_flooded_with_ctrl_c_and_sigterm_stops_at_once_and_says_so(sqlite_url):
     """Ctrl-C on `tuner serve` sends SIGINT to its workers and then serve's own SIGTERM: two handlers
     a moment apart. Each only sets a lock-free flag (a `threading.Event` takes a lock that one

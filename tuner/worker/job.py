@@ -61,6 +61,7 @@ class Outcome:
     error: str | None = None
     build: BuildOutcome | None = None
     log: str | None = None
+    said: bool = False  # `queued`: the job's events already say why (a wait noted once, not each look)
 
 
 class JobRun:
@@ -179,7 +180,8 @@ class JobRun:
 
     def _run_study(self) -> Outcome:
         from tuner.recipe import recipe_from_dict
-        from tuner.study import run_study, study_name
+        from tuner.resume import StudyBusy
+        from tuner.study import study_name
         from tuner.study.preflight import PreflightError, preflight
 
         with session_scope(self.url) as s:
@@ -194,18 +196,14 @@ class JobRun:
             name = f"{name}-job{self.job_id}"
         with session_scope(self.url) as s:
             s.get(Job, self.job_id).study_name = name
-        cfg = self.worker.settings
-        summary = run_study(
-            recipe,
-            storage_url=self.url,
-            executor=self.worker.executor,
-            trials=min(recipe.search.trials, cfg.max_trials or recipe.search.trials),
-            timeout_s=min(recipe.search.timeout_min, cfg.max_timeout_min or recipe.search.timeout_min) * 60,
-            progress=self._on_progress,
-            should_stop=self.should_stop,
-            remeasure_top=cfg.remeasure_top,
-            study_name=name,
-        )
+        try:
+            summary = self._tune(recipe, name)
+        except StudyBusy as err:
+            # Another driver holds the study (a CLI `tuner tune` of the same recipe, a worker of
+            # another service): not the job's fault. It goes back to the queue, and this worker
+            # looks at it again after `STUDY_BUSY_RETRY_S` (`Worker.hold_back`), running others.
+            first = self.worker.hold_back(self.job_id)
+            return Outcome(QUEUED, error=f"waiting for its study: {err}", said=not first)
         stopped = self._stopped()
         if stopped:
             stopped.summary = summary
@@ -214,7 +212,7 @@ class JobRun:
             return Outcome(
                 FAILED, summary, "no trial finished ok; GET the job's trials to see why each failed"
             )
-        if not cfg.build:
+        if not self.worker.settings.build:
             return Outcome(
                 SUCCEEDED,
                 summary,
@@ -226,6 +224,22 @@ class JobRun:
         if self.cancelled.is_set() or self.lost.is_set():
             return Outcome(LOST if self.lost.is_set() else CANCELLED, summary, build=build)
         return Outcome(SUCCEEDED, summary, build=build)
+
+    def _tune(self, recipe: Any, name: str) -> StudySummary:
+        from tuner.study import run_study
+
+        cfg = self.worker.settings
+        return run_study(
+            recipe,
+            storage_url=self.url,
+            executor=self.worker.executor,
+            trials=min(recipe.search.trials, cfg.max_trials or recipe.search.trials),
+            timeout_s=min(recipe.search.timeout_min, cfg.max_timeout_min or recipe.search.timeout_min) * 60,
+            progress=self._on_progress,
+            should_stop=self.should_stop,
+            remeasure_top=cfg.remeasure_top,
+            study_name=name,
+        )
 
     def _stopped(self) -> Outcome | None:
         """Why the study stopped early, when it was asked to: taken over, shut down or cancelled."""
@@ -305,7 +319,8 @@ class JobRun:
             if state == QUEUED:
                 # Graceful shutdown: hand the job back without spending one of its attempts.
                 job.state, job.worker_id, job.attempts = QUEUED, None, max(0, job.attempts - 1)
-                add_event(s, job.id, "requeued", {"reason": outcome.error or "worker shut down"})
+                if not outcome.said:
+                    add_event(s, job.id, "requeued", {"reason": outcome.error or "worker shut down"})
                 return state
             _record_outcome(s, job, outcome)
         log.info("job %s: %s", self.job_id, state)

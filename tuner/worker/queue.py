@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Collection
 
 from sqlalchemy import func, select, update
 
@@ -25,6 +26,7 @@ HEARTBEAT_S = 2.0
 STALE_AFTER_S = DRIVER_STALE_AFTER_S
 MAX_ATTEMPTS = 3
 RETRY_S = 5.0  # after the database was unreachable
+STUDY_BUSY_RETRY_S = 10.0  # a job whose study another driver holds is looked at again after this
 CLAIM_WINDOW = 20  # queued jobs a claim looks at, oldest first (those waiting their study's turn skipped)
 
 
@@ -104,9 +106,10 @@ def _shares_a_running_study(s, candidates: list[tuple[int, str, dict]]) -> set[i
     return {job_id for job_id, recipe_hash, recipe in candidates if recipe_hash in shared and reuses(recipe)}
 
 
-def claim_job(url: str | None, worker_id: str) -> int | None:
+def claim_job(url: str | None, worker_id: str, skip: Collection[int] = ()) -> int | None:
     """Take the oldest queued job for this worker that no running job's study holds (see
-    `_shares_a_running_study`); None when there is none. Two workers never get the same job:
+    `_shares_a_running_study`) and is not in `skip` (jobs the worker holds back); None when there
+    is none. Two workers never get the same job:
     PostgreSQL skips rows another worker has locked, SQLite compares-and-sets."""
     now = utcnow()
     claimed = {
@@ -117,6 +120,8 @@ def claim_job(url: str | None, worker_id: str) -> int | None:
         "updated_at": now,
     }
     queued = select(Job.id, Job.recipe_hash, Job.recipe).where(Job.state == QUEUED).order_by(Job.id)
+    if skip:
+        queued = queued.where(Job.id.not_in(list(skip)))
     with session_scope(url) as s:
         job_id = None
         if s.bind.dialect.name == "postgresql":

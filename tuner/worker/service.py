@@ -17,6 +17,7 @@ from tuner.worker.queue import (
     MAX_ATTEMPTS,
     RETRY_S,
     STALE_AFTER_S,
+    STUDY_BUSY_RETRY_S,
     claim_job,
     new_worker_id,
     recover_jobs,
@@ -66,6 +67,8 @@ class Worker:
         # Set by the SIGTERM/SIGINT handler of `tuner worker`: a StopFlag, which needs no lock.
         self.shutdown = StopFlag()
         self._executor = executor
+        # Jobs whose study another driver holds: id -> when to look again (`hold_back`).
+        self._held: dict[int, float] = {}
 
     @property
     def executor(self) -> Any:
@@ -98,6 +101,14 @@ class Worker:
             return str(err)
         return None
 
+    def hold_back(self, job_id: int) -> bool:
+        """Claim `job_id` again only after STUDY_BUSY_RETRY_S: its study has another live driver
+        (`tuner.resume.StudyBusy`). Claimed at once, the job would go back and forth between
+        queued and running until that driver ends. True the first time, when the job says why."""
+        first = job_id not in self._held
+        self._held[job_id] = time.monotonic() + STUDY_BUSY_RETRY_S
+        return first
+
     def cancel_trials(self) -> None:
         """Stop the trials in flight (from the job's heartbeat thread). An executor not made yet
         runs none: it is not made here, where the job's own thread may be making it."""
@@ -124,9 +135,13 @@ class Worker:
             log.error("worker %s: claiming no job until the cluster answers: %s", self.worker_id, lost)
             self.shutdown.wait(RETRY_S)
             return None
-        job_id = claim_job(self.settings.database_url, self.worker_id)
+        now = time.monotonic()
+        waiting = [job for job, until in self._held.items() if until > now]
+        job_id = claim_job(self.settings.database_url, self.worker_id, skip=waiting)
         if job_id is not None:
             JobRun(self, job_id).run()
+            if self._held.get(job_id, now) <= now:
+                self._held.pop(job_id, None)  # it ran (or ended) this time: no longer waiting
         return job_id
 
     def run_forever(self) -> None:
