@@ -23,7 +23,7 @@ from tuner.record.winner import Verdict, job_verdict
 
 SORTS = ("number", "-number", "tokens_per_s", "-tokens_per_s")
 _BY_NUMBER = ("number", "-number")
-# What ?status= takes: a status word, or an Optuna state.
+# What ?status= takes: a status word, or an Optuna state (`matches_status`).
 STATUS_FILTERS = tuple(dict.fromkeys((*STATUSES, *STATES)))
 # A value sort's cursor: the throughput as Python writes it (an exponent without its `+`, which a
 # query string reads as a space) or nothing for a trial without one, `_`, the trial number.
@@ -51,11 +51,20 @@ def _key(sort: str, number: int, value: float | None) -> Key:
     return (1, 0.0, number) if value is None else (0, sign * value, number)
 
 
+def matches_status(t: TrialRecord, word: str) -> bool:
+    """Whether a status filter's `word` (`STATUS_FILTERS`) takes trial `t`: a status word by the
+    trial's status, an Optuna state no status word spells (complete, fail) by its state. `pruned`
+    is both, and means the status: state `pruned` also holds the duplicates, which a filter on
+    `pruned` listed though their status says `duplicate` and the counts beside it do not count them.
+    The /v1 trials list and the dashboard's table filter by this one rule."""
+    return t.status == word or (word not in STATUSES and t.state == word)
+
+
 def _ordered(study: StudyRecord, status: str | None, sort: str) -> tuple[list[TrialRecord], list[Key]]:
     def compute() -> tuple[list[TrialRecord], list[Key]]:
         rows = study.trials
         if status is not None:
-            rows = [t for t in rows if t.status == status or t.state == status]
+            rows = [t for t in rows if matches_status(t, status)]
         keyed = sorted(((_key(sort, t.number, _value(t)), t) for t in rows), key=lambda kt: kt[0])
         return [t for _, t in keyed], [k for k, _ in keyed]
 

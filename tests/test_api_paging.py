@@ -207,3 +207,45 @@ def test_a_cursor_no_page_gave_is_a_422_naming_the_cursor(client, auth, url, que
     resp = client.get(f"{base}?{query}", headers=auth)
     assert resp.status_code == 422 and says in _fields(resp)["cursor"], resp.text
     assert "cursor" in resp.json()["detail"]
+
+
+# ---- filters ------------------------------------------------------------------------------------
+
+
+def test_a_status_filter_lists_the_trials_of_that_status_and_no_other(client, auth, url):
+    """`?status=pruned` (and the dashboard's `pruned (N)` box) listed the duplicates too: Optuna
+    keeps a duplicate in state `pruned`, and the filter took a trial whose state matched, so the
+    page held trials whose status said `duplicate`, more than the count beside the box. An Optuna
+    state no status word spells (complete, fail) still filters by state."""
+    import optuna
+
+    job_id = _submit(client, auth)
+    with session_scope(url) as s:
+        s.get(Job, job_id).study_name = "filtered"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="filtered", storage=url)
+    State = optuna.trial.TrialState
+    done, pruned, failed = State.COMPLETE, State.PRUNED, State.FAIL
+    for state, attrs, value in (
+        (done, {"status": "ok"}, 100.0),
+        (pruned, {}, None),  # infeasible: never ran
+        (pruned, {"duplicate_of": 0}, None),
+        (pruned, {"duplicate_of": 0}, None),
+        (failed, {"status": "oom"}, None),
+        (failed, {}, None),  # stopped without a measurement
+        (done, {"status": "ok"}, 200.0),
+    ):
+        study.add_trial(optuna.trial.create_trial(state=state, value=value, user_attrs=attrs))
+    expected = {
+        "ok": [0, 6], "pruned": [1], "duplicate": [2, 3], "oom": [4], "failed": [5],
+        "complete": [0, 6], "fail": [4, 5],
+    }  # fmt: skip
+    for word, numbers in expected.items():
+        page = client.get(f"/v1/jobs/{job_id}/trials?status={word}", headers=auth).json()
+        assert ([t["number"] for t in page["items"]], page["total"]) == (numbers, len(numbers)), word
+        table = client.get(f"/ui/api/jobs/{job_id}/trials?status={word}", headers=auth).json()
+        assert [t["number"] for t in table["items"]] == numbers, word
+        if word in table["status_counts"]:
+            assert table["total"] == table["status_counts"][word], word  # the box's count
+    both = client.get(f"/ui/api/jobs/{job_id}/trials?status=pruned&status=oom", headers=auth).json()
+    assert [t["number"] for t in both["items"]] == [1, 4]

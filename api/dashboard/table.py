@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from api.errors import ApiError
+from api.trials import matches_status
 from tuner.record import keys
 from tuner.record.reader import StudyRecord
 from tuner.record.trial import TrialRecord
@@ -77,7 +78,7 @@ def _ordered(
         return cached
     rows = study.trials
     if statuses:
-        rows = [r for r in rows if r.status in statuses or r.state in statuses]  # as /v1's ?status=
+        rows = [r for r in rows if any(matches_status(r, word) for word in statuses)]  # as /v1's
     for name, want in knobs.items():
         rows = [r for r in rows if name in r.params and label(r.params[name]) == want]
     keyed = [(_value(r, column), r) for r in rows]  # each value once: this runs over every trial
