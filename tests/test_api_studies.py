@@ -151,3 +151,79 @@ def test_knob_importance_below_twenty_completed_trials_is_indicative_with_its_sp
     seed_study(url, "many-trials", 60, seed=4)
     many = client.get("/ui/api/studies/many-trials/plots").json()["importance"]
     assert many["indicative"] is False and many["completed"] >= 20 and "low" not in many
+
+
+class _Executor:
+    """Where the worker's preflight describes this machine; the study below starts no trial."""
+
+    name = "local"
+
+    def cancel(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def describe(self, requested: str):
+        from tuner.fingerprint import described_here
+
+        return described_here(requested)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def any_env(request, tmp_path):
+    """`env`'s seeded job on SQLite and on PostgreSQL."""
+    from test_db import fresh_pg_database
+
+    from tuner.migrations import upgrade
+
+    url, drop = (f"sqlite:///{tmp_path / 'tuner.db'}", None)
+    if request.param == "postgresql":
+        url, drop = fresh_pg_database()
+        upgrade(url)
+    try:
+        with TestClient(create_app(Settings(database_url=url))) as client:
+            job = seed_job(url, 30, seed=1, name="gpt-rest")
+            with session_scope(url) as s:
+                client.headers["Authorization"] = f"Bearer {create_token(s, 't')}"
+            yield {"client": client, "url": url, "job": job, "tmp": tmp_path}
+    finally:
+        if drop is not None:
+            drop()
+
+
+def test_a_study_whose_newest_job_waits_or_was_cancelled_lists_its_winner(any_env, monkeypatch):
+    """The studies list took a job's study's best from its newest job's row: null once a job of
+    the same recipe came back to the queue behind another driver of the study (`hold_back`, which
+    names the job's study first), and still null after that job was cancelled, though the study
+    and the job's page (`links.job`, `links.page`) name its winner."""
+    from tuner.resume import StudyBusy
+    from tuner.worker import Worker, WorkerSettings
+
+    env = any_env
+    client, url = env["client"], env["url"]
+    with session_scope(url) as s:
+        first = s.get(Job, env["job"])
+        name, recipe = first.study_name, first.recipe
+    again = client.post("/v1/jobs", json=recipe).json()["id"]  # the same recipe, submitted again
+
+    def busy(*_a, **_kw):  # a CLI `tuner tune` holds the study (`tuner.resume.claim_study`)
+        raise StudyBusy(f"study {name} is being tuned by another driver (pid 1 on host cli-host)")
+
+    monkeypatch.setattr("tuner.study.study_name", lambda *_a: name)  # the seeded study's name
+    monkeypatch.setattr("tuner.study.run_study", busy)
+    settings = WorkerSettings(database_url=url, heartbeat_s=0.1, artifact_dir=str(env["tmp"]))
+    assert Worker(settings, executor=_Executor()).run_once() == again
+    job = client.get(f"/v1/jobs/{again}").json()
+    assert (job["state"], job["study_name"]) == ("queued", name)
+    with session_scope(url) as s:
+        winner = read_study(s, name).ranking().best.tokens_per_s
+    for state in ("queued", "cancelled"):
+        assert client.get(f"/v1/jobs/{again}").json()["state"] == state
+        listed = {s["name"]: s for s in client.get("/v1/studies").json()["items"]}[name]
+        assert listed["job_ids"] == [again, env["job"]] and listed["links"]["job"] == f"/v1/jobs/{again}"
+        assert client.get(f"/v1/jobs/{again}/best").json()["tokens_per_s"] == pytest.approx(winner)
+        overview = client.get(f"/ui/api/jobs/{again}/overview").json()
+        assert overview["best"]["tokens_per_s"] == pytest.approx(winner)
+        assert listed["best_tokens_per_s"] == pytest.approx(winner), state
+        assert client.post(f"/v1/jobs/{again}/cancel").status_code in (202, 409)

@@ -15,6 +15,7 @@ from api.deps import ReadAuth, SessionDep
 from api.errors import ApiError
 from api.routes import v1_router
 from api.schemas import StudyPage, StudyPublic
+from api.trials import winner
 from tuner.db import Build, Job
 from tuner.record.reader import StudyRecord, read_study
 from tuner.record.studies import JOB, StudyListing, list_studies
@@ -60,10 +61,17 @@ def study_verdict(session: Session, study: StudyRecord) -> Verdict:
 
 
 def _best(session: Session, listing: StudyListing) -> float | None:
+    """The winner's median as the study's linked page shows it: a job's study links its newest
+    job, whose winner is `job_verdict`'s (`api.trials.winner`: its recorded winner, else the live
+    ranking). Read from that job's row, it was null while the newest job had measured nothing
+    yet: one queued behind another driver of the study (`Worker.hold_back`), cancelled, or
+    started, though the study and the job's own page named a winner."""
     if listing.source == JOB:
-        return session.scalar(select(Job.best_tokens_per_s).where(Job.id == listing.job_ids[0]))
-    study = read_study(session, listing.name)
-    verdict = study_verdict(session, study) if study is not None else None
+        job = session.get(Job, listing.job_ids[0])
+        verdict = winner(session, job)[0] if job is not None else None
+    else:
+        study = read_study(session, listing.name)
+        verdict = study_verdict(session, study) if study is not None else None
     return verdict.best.tokens_per_s if verdict and verdict.best else None
 
 
