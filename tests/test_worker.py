@@ -119,6 +119,35 @@ def test_a_job_waits_while_another_job_drives_the_study_it_would_reuse(db_url):
     assert claim_job(db_url, "b:1:x") == second
 
 
+def test_a_job_of_the_same_recipe_under_another_name_runs_beside_it_in_a_study_of_its_own(db_url):
+    """The queue kept jobs apart by recipe hash, while a study is named by the recipe's name too:
+    the nightly's `w@nightly-<night>` job (its own study, by design) waited for a user's running
+    `w` job with a worker idle, and could be cancelled by the nightly as late. A job whose name
+    makes the same study (the same slug) still waits."""
+    import datetime as dt
+
+    from tuner.fingerprint import described_here
+    from tuner.nightly.tuners import nightly_job_name
+    from tuner.study import study_name
+
+    def renamed(name: str) -> dict:
+        return {**RECIPE.to_dict(), "name": name}
+
+    nightly_name = nightly_job_name(RECIPE, dt.date(2026, 12, 7))
+    first = _queue(db_url)[0]
+    nightly = _queue(db_url, recipe_name=nightly_name, recipe=renamed(nightly_name))[0]
+    same_slug = _queue(db_url, recipe_name="w ", recipe=renamed("w "))[0]
+    fp = described_here("cpu").fingerprint
+    studies = [study_name(recipe_from_dict(renamed(n)), fp) for n in ("w", nightly_name, "w ")]
+    assert studies[0] != studies[1] and studies[0] == studies[2]  # what the drivers would open
+    assert claim_job(db_url, "a:1:x") == first
+    assert claim_job(db_url, "b:1:x") == nightly  # another study: it need not wait
+    assert claim_job(db_url, "c:1:x") is None  # `w ` is `w`'s study: it waits its turn
+    with session_scope(db_url) as s:
+        s.get(Job, first).state = "succeeded"
+    assert claim_job(db_url, "c:1:x") == same_slug
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
@@ -402,6 +431,33 @@ def test_a_job_whose_study_another_driver_holds_waits_in_the_queue_and_runs_once
         assert (job.state, job.attempts) == ("succeeded", 1)
 
 
+def test_a_job_cancelled_while_its_worker_looked_at_its_busy_study_ends_cancelled_with_no_error(
+    db_url, monkeypatch
+):
+    """A cancel that came while the worker looked again at a held-back job (it is `running` for
+    that moment) won, but the cancelled job showed the wait as its error: "waiting for its study:
+    ... being tuned by another driver", in red on its page and in its `done` event."""
+    from tuner.resume import StudyBusy
+
+    job_id = _queue(db_url)[0]
+
+    def busy(*_a, **_kw):
+        with session_scope(db_url) as s:
+            s.get(Job, job_id).cancel_requested = True  # what POST /v1/jobs/{id}/cancel does
+        raise StudyBusy("study w is being tuned by another driver (pid 1 on host cli-host)")
+
+    monkeypatch.setattr("tuner.study.run_study", busy)
+    worker = _worker(db_url)
+    assert worker.run_once() == job_id
+    with session_scope(db_url) as s:
+        job = s.get(Job, job_id)
+        assert (job.state, job.error, job.log) == ("cancelled", None, None)
+        assert job.finished_at is not None
+    done = _events(db_url, job_id)[-1]
+    assert done.kind == "done" and done.payload["state"] == "cancelled" and done.payload["error"] is None
+    assert claim_job(db_url, "another:1:x") is None
+
+
 def test_a_worker_flooded_with_ctrl_c_and_sigterm_stops_at_once_and_says_so(sqlite_url):
     """Ctrl-C on `tuner serve` sends SIGINT to its workers and then serve's own SIGTERM: two handlers
     a moment apart. Each only sets a lock-free flag (a `threading.Event` takes a lock that one
@@ -577,6 +633,36 @@ def test_a_cancel_the_worker_had_not_seen_when_it_shut_down_ends_the_job_cancell
     with session_scope(sqlite_url) as s:
         assert s.get(Job, job_id).state == "cancelled"
     assert claim_job(sqlite_url, "another:1:x") is None
+
+
+def test_a_cancel_after_the_last_heartbeat_ends_the_finished_job_cancelled_with_its_results(
+    db_url, monkeypatch
+):
+    """A cancel is honoured at every step (DESIGN.md), but one that came after the job's last
+    heartbeat, as its study ended, was dropped: the job ended `succeeded` after POST /cancel said
+    202, where a second earlier it ended `cancelled` (during the build, with the build it made)."""
+    job_id = _queue(db_url)[0]
+    study = _study(None)
+
+    def cancelled_at_the_end(recipe, *, progress, **kw):
+        def then_cancel(event):
+            progress(event)
+            if event["event"] == "done":
+                with session_scope(db_url) as s:
+                    s.get(Job, job_id).cancel_requested = True  # what POST /v1/jobs/{id}/cancel does
+                # The heartbeat's next look would come too late: the job is about to end.
+
+        return study(recipe, progress=then_cancel, **kw)
+
+    monkeypatch.setattr("tuner.study.run_study", cancelled_at_the_end)
+    settings = WorkerSettings(database_url=db_url, heartbeat_s=30, artifact_dir="unused", build=False)
+    assert Worker(settings, executor=_Executor()).run_once() == job_id
+    with session_scope(db_url) as s:
+        job = s.get(Job, job_id)
+        assert job.state == "cancelled" and job.finished_at is not None
+        assert job.best_tokens_per_s == 150.0 and job.summary["best"]["tokens_per_s"] == 150.0
+    done = _events(db_url, job_id)[-1]
+    assert done.kind == "done" and done.payload["state"] == "cancelled"
 
 
 def test_a_remote_workers_job_is_requeued_only_once_its_trials_count_as_dead_to_the_study(db_url):

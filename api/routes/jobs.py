@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Query, Request, Response
 from fastapi.responses import FileResponse
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from api import trials as trial_store
 from api.builds import build_response
@@ -202,18 +202,25 @@ def read_job(job_id: JobId, session: SessionDep, _: ReadAuth):
 def cancel_job(job_id: JobId, session: SessionDep, _: WriteAuth):
     """Cancel a job: a queued job stops at once; a running one stops its trials within seconds."""
     job = _get_job(session, job_id)
+    if job.state == QUEUED:
+        # Compare-and-set, as a worker claims: one may take the job between the read above and
+        # this write. Written over, the job read `cancelled` while its worker started its study
+        # and wrote its trials' events after the job's `done`; claimed, it is cancelled as running.
+        now = utcnow()
+        values = {"state": CANCELLED, "cancel_requested": True, "finished_at": now, "updated_at": now}
+        cas = update(Job).where(Job.id == job_id, Job.state == QUEUED).values(**values)
+        hit = session.execute(cas, execution_options={"synchronize_session": False}).rowcount == 1
+        session.refresh(job)
+        if hit:
+            add_event(session, job_id, "done", {"state": CANCELLED})
+            return JobPublic.from_row(job)
     if job.state in FINAL_STATES:
         raise ApiError(
             409, f"job {job_id} already {job.state}; nothing to cancel", [("id", f"job is {job.state}")]
         )
     job.cancel_requested = True
     job.updated_at = utcnow()
-    if job.state == QUEUED:
-        job.state = CANCELLED
-        job.finished_at = utcnow()
-        add_event(session, job.id, "done", {"state": CANCELLED})
-    else:
-        add_event(session, job.id, "cancel_requested", {})
+    add_event(session, job.id, "cancel_requested", {})
     return JobPublic.from_row(job)
 
 

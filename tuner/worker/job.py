@@ -313,8 +313,12 @@ class JobRun:
             if job is None or job.worker_id != self.worker.worker_id or job.state in FINAL_STATES:
                 return job.state if job is not None else state
             job.updated_at = utcnow()
-            if state == QUEUED and job.cancel_requested:
-                # Shut down after a cancel this worker had not yet seen: the cancel wins.
+            if job.cancel_requested and state in (QUEUED, SUCCEEDED):
+                # A cancel this worker had not yet seen (it came after the last heartbeat): it
+                # wins, as during the build, and a succeeded job keeps its results. Handed back
+                # (shut down, its study busy, the cluster gone), why it would have waited is no
+                # error of the cancelled job (it showed "waiting for its study: ...").
+                outcome.error = outcome.error if state == SUCCEEDED else None
                 state = outcome.state = CANCELLED
             if state == QUEUED:
                 # Graceful shutdown: hand the job back without spending one of its attempts.

@@ -95,15 +95,23 @@ def recover_jobs(
 def _shares_a_running_study(s, candidates: list[tuple[int, str, dict]]) -> set[int]:
     """The candidates (id, recipe hash, recipe) that would drive a study another job is driving
     now: a recipe that reuses its study (`search.reuse`, the default) names the same study as a
-    running job of the same recipe on the same kind of worker. Two drivers of one study overrun
-    its trial budget and overwrite each other's re-measurements, so the second waits its turn."""
+    running job of the same recipe and name on the same kind of worker (`tuner.study.study_name`:
+    the name's slug, the hash, the fingerprint). Two drivers of one study overrun its trial budget
+    and overwrite each other's re-measurements, so the second waits its turn. A job of the same
+    recipe under another name (a nightly's `<recipe>@nightly-<night>`) has a study of its own and
+    runs beside it: keyed by the hash alone, it waited, with workers idle, for a study it never
+    touches (and the nightly cancels a job still unfinished past its timeout and grace)."""
+    from tuner.study.naming import name_slug
 
-    def reuses(recipe: dict | None) -> bool:
-        return bool(((recipe or {}).get("search") or {}).get("reuse", True))
+    def study_key(recipe_hash: str, recipe: dict | None) -> tuple[str, str] | None:
+        recipe = recipe or {}
+        if not (recipe.get("search") or {}).get("reuse", True):
+            return None  # the job's own study, `<study>-job<ID>`
+        return name_slug(str(recipe.get("name") or "")), recipe_hash
 
     running = s.execute(select(Job.recipe_hash, Job.recipe).where(Job.state == RUNNING)).all()
-    shared = {recipe_hash for recipe_hash, recipe in running if reuses(recipe)}
-    return {job_id for job_id, recipe_hash, recipe in candidates if recipe_hash in shared and reuses(recipe)}
+    shared = {study_key(recipe_hash, recipe) for recipe_hash, recipe in running} - {None}
+    return {job_id for job_id, recipe_hash, recipe in candidates if study_key(recipe_hash, recipe) in shared}
 
 
 def claim_job(url: str | None, worker_id: str, skip: Collection[int] = ()) -> int | None:
