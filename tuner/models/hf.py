@@ -176,7 +176,7 @@ def config_problems(config: Any, where: str = "model.config") -> list[tuple[str,
     return out
 
 
-def _attr(cfg: Any, name: str) -> Any:
+def config_attr(cfg: Any, name: str) -> Any:
     try:  # a per-layer attribute of a heterogeneous config refuses a global read
         return getattr(cfg, name, None)
     except Exception:  # noqa: BLE001
@@ -186,8 +186,8 @@ def _attr(cfg: Any, name: str) -> Any:
 def _shape_problems(cfg: Any, config: dict[str, Any], where: str) -> list[tuple[str, str]]:
     """What gpt and llama refuse too: heads that do not divide the width, key/value heads that
     do not divide the heads (the config's values, defaults included; the field is a key given)."""
-    hidden, heads = _attr(cfg, "hidden_size"), _attr(cfg, "num_attention_heads")
-    kv = _attr(cfg, "num_key_value_heads")
+    hidden, heads = config_attr(cfg, "hidden_size"), config_attr(cfg, "num_attention_heads")
+    kv = config_attr(cfg, "num_key_value_heads")
     if not all(isinstance(v, int) and v > 0 for v in (hidden, heads)):
         return []
     out = []
@@ -290,7 +290,7 @@ def resolve_model(model: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str
     cfg = resolved(json.dumps(model["config"], sort_keys=True))
     out = dict(model)
     for field, attr in SIZE_FIELDS.items():
-        value = _attr(cfg, attr)
+        value = config_attr(cfg, attr)
         if value is None and field != "ffn":  # ffn: None takes the family's default width
             problems.append(("model.config", f"model_type {model['config'].get('model_type')!r} has no "
                              f"{attr}: the tuner reads a decoder's sizes from it; this type is not supported"))  # fmt: skip
@@ -372,10 +372,10 @@ class HFFamily(ModelFamily):
         """Multi-head latent attention's queries and keys are `qk_nope_head_dim + qk_rope_head_dim`
         wide and its values `v_head_dim` (its `head_dim` is the rotary part alone)."""
         cfg = hf_config(m)
-        nope, rope, v = (_attr(cfg, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        nope, rope, v = (config_attr(cfg, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
         if all(isinstance(x, int) for x in (nope, rope, v)):
             return nope + rope, v
-        d = int(_attr(cfg, "head_dim") or super().head_dim(m))
+        d = int(config_attr(cfg, "head_dim") or super().head_dim(m))
         return d, d
 
     def column_parallel_inputs(self, m: ModelSpec) -> int:

@@ -10,7 +10,7 @@ import functools
 import re
 from typing import Any
 
-from tuner.models.hf import resolved
+from tuner.models.hf import config_attr, resolved
 
 # Per-layer attention kinds the decoder gives a mask of their own (transformers' names).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -100,8 +100,8 @@ def _norm_widths(block: Any, cfg: Any) -> tuple[int, int]:
     block has: Gemma 3's sandwich has four; or a latent, by its weight's width), (over the queries
     and keys: their norms'). The estimator counts the copies a norm saves of each."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
-    d = getattr(cfg, "head_dim", None) or h // heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    d = _head_width(block, cfg)
+    kv = config_attr(cfg, "num_key_value_heads") or heads
     stream = per_head = 0
     for name, mod in block.named_modules():
         if "Norm" not in type(mod).__name__ or any(True for _ in mod.children()):
@@ -113,6 +113,13 @@ def _norm_widths(block: Any, cfg: Any) -> tuple[int, int]:
             weight = getattr(mod, "weight", None)
             stream += weight.shape[-1] if weight is not None and weight.dim() else h
     return stream, per_head
+
+
+def _head_width(block: Any, cfg: Any) -> int:
+    """One head's width in `block`: its attention module's own (a heterogeneous config, Gemma 4's,
+    refuses a global read of `head_dim`: it may differ per layer), else the config's."""
+    d = getattr(getattr(block, "self_attn", None), "head_dim", None)
+    return int(d or config_attr(cfg, "head_dim") or cfg.hidden_size // cfg.num_attention_heads)
 
 
 def _routed_experts(block: Any, cfg: Any, mlp_matmul: int) -> dict[str, int]:
@@ -187,7 +194,7 @@ def tp_problem(config_json: str) -> str | None:
     cfg = model.config
     plan = getattr(cfg, "base_model_tp_plan", None) or {}
     covered = [key.removeprefix("layers.*.") for key in plan]
-    widths = {cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    widths = {cfg.hidden_size, _head_width(model.model.layers[0], cfg)}
     for name, p in model.model.layers[0].named_parameters():
         module = name.rpartition(".")[0]
         if any(fnmatch.fnmatchcase(module, key) for key in covered):
