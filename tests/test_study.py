@@ -544,7 +544,7 @@ def test_a_study_interrupted_while_it_is_first_set_up_queues_its_baseline_on_the
     recipe = make_recipe("first-open", overrides={**NARROW, "micro_batch_size": [2, 4, 8]})
     enqueue = Driver.enqueue
 
-    def interrupted(self, config, role):
+    def interrupted(self, config, role, **kw):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Driver, "enqueue", interrupted)
@@ -650,6 +650,44 @@ def test_a_baseline_that_runs_out_of_memory_falls_back_to_the_next_smaller_micro
     assert [t.params["micro_batch_size"] for t in baselines][:2] == [8, 4]
     assert summary.baseline.config["micro_batch_size"] == 4
     assert summary.speedup is not None
+
+
+def test_a_baseline_fallback_that_another_trial_measured_still_names_the_baseline(tune, url):
+    """The baseline ran out of memory while a trial beside it (two slots) measured the next
+    smaller micro-batch: the fallback baseline was not queued (Optuna saw that config queued
+    already), and the study reported no baseline and no speedup for a config it had measured."""
+    from tuner.baseline import baseline_config
+
+    ex = FakeExecutor(slots=2, fail_on=lambda c: "oom" if c.micro_batch_size >= 8 else None)
+    recipe = make_recipe("fallback-taken", overrides={**NARROW, "micro_batch_size": [2, 4, 8]})
+    base = baseline_config(recipe, CPU, load_space("cpu").narrow(recipe.search.overrides))
+    four = Config(**{**base.to_dict(), "micro_batch_size": 4})
+    assert base.micro_batch_size == 8
+    summary = tune(recipe, ex, trials=4, enqueue=[four])
+    assert summary.baseline is not None and summary.baseline.config == four.active_params()
+    assert summary.speedup == pytest.approx(summary.best.tokens_per_s / fake_tokens(four))
+    # Measured once: the fallback baseline reuses the enqueued trial's run as its duplicate.
+    assert [Config(**s.config).micro_batch_size for s in ex.submitted].count(4) == 1
+    fallback = [t for t in trials_of(summary, url) if t.user_attrs.get("role") == "baseline"][1]
+    assert fallback.user_attrs["duplicate_of"] == summary.baseline.trial
+
+
+def test_a_baseline_config_queued_before_the_study_opened_is_still_its_baseline(tune, url):
+    """The nightly queues last night's best before `run_study` opens the study. Where that was the
+    baseline's config, the baseline was not queued (Optuna saw the config queued already): the
+    study had no baseline and reported no speedup."""
+    from tuner.baseline import baseline_config
+    from tuner.nightly.tuners import _enqueue_first
+
+    recipe = make_recipe("queued-first", overrides={**NARROW, "micro_batch_size": [2, 4, 8]})
+    base = baseline_config(recipe, CPU, load_space("cpu").narrow(recipe.search.overrides))
+    _enqueue_first(recipe, study_name_of(recipe), [base.active_params()], url)
+    ex = FakeExecutor()
+    summary = tune(recipe, ex, trials=3)
+    assert summary.baseline is not None and summary.baseline.config == base.active_params()
+    assert summary.speedup == pytest.approx(summary.best.tokens_per_s / fake_tokens(base))
+    # Measured once, as last night's best: the baseline reuses that run as its duplicate.
+    assert [Config(**s.config).key() for s in ex.submitted].count(base.key()) == 1
 
 
 def test_a_study_tuned_further_after_its_build_names_its_new_best_in_every_view(tune, url):

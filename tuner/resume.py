@@ -16,6 +16,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from tuner.config import Config
+from tuner.executors.session import host_identity
 from tuner.recipe import Recipe
 from tuner.record import keys
 
@@ -23,8 +24,14 @@ STALE_AFTER_S = 60.0
 
 
 def new_owner() -> dict[str, Any]:
-    """Who drives a study: host and pid to check liveness, a random id to tell runs apart."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
+    """Who drives a study: host and pid to check liveness (`where`: the boot and pid namespace
+    that pid is of), a random id to tell runs apart."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "id": uuid.uuid4().hex,
+        "where": host_identity(),
+    }
 
 
 def pid_dead(pid: int) -> bool:
@@ -41,13 +48,23 @@ def pid_dead(pid: int) -> bool:
         return False
 
 
+def _pids_shared(owner: dict[str, Any]) -> bool:
+    """Whether the owner's pid numbers this host's processes: its host name, and its boot and pid
+    namespace where it recorded them."""
+    if owner.get("host") != socket.gethostname():
+        return False
+    return owner.get("where", host_identity()) == host_identity()
+
+
 def owner_alive(owner: dict[str, Any] | None, heartbeat: float | None, started: float) -> bool:
     """Whether the driver that owns a RUNNING trial may still be working on it.
 
     On this host a dead pid settles it at once (a restart right after kill -9 need not wait);
-    elsewhere, a heartbeat older than STALE_AFTER_S does.
+    elsewhere, a heartbeat older than STALE_AFTER_S does. Containers on one host's network
+    (docker --network host, pods with hostNetwork) share its name but not its pids: an owner that
+    recorded another pid namespace (`where`; older owners did not) is elsewhere.
     """
-    if owner and owner.get("host") == socket.gethostname() and pid_dead(owner.get("pid", -1)):
+    if owner and _pids_shared(owner) and pid_dead(owner.get("pid", -1)):
         return False
     last = heartbeat if heartbeat is not None else started
     return time.time() - last < STALE_AFTER_S
@@ -61,6 +78,12 @@ def _who(owner: dict[str, Any]) -> str:
     return f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
 
 
+def _holder(study: optuna.Study) -> dict[str, Any]:
+    """The study's driver record (`keys.STUDY_DRIVER`): {"owner": ..., "heartbeat": ...}, or {}."""
+    held = study._storage.get_study_system_attrs(study._study_id).get(keys.STUDY_DRIVER)
+    return held if isinstance(held, dict) and isinstance(held.get("owner"), dict) else {}
+
+
 def claim_study(study: optuna.Study, me: dict[str, Any]) -> None:
     """Make `me` the study's one driver, or raise StudyBusy naming the live one.
 
@@ -70,9 +93,8 @@ def claim_study(study: optuna.Study, me: dict[str, Any]) -> None:
     died frees the study as its trials do (`owner_alive`: a dead pid on this host at once, else a
     heartbeat older than STALE_AFTER_S). Two drivers starting within the same moment can both
     pass: the read back after the write narrows that to the gap between two database writes."""
-    storage, sid = study._storage, study._study_id
-    held = storage.get_study_system_attrs(sid).get(keys.STUDY_DRIVER)
-    if isinstance(held, dict) and isinstance(held.get("owner"), dict):
+    held = _holder(study)
+    if held:
         owner, beat = held["owner"], held.get("heartbeat")
         if owner.get("id") != me["id"] and owner_alive(owner, beat, beat or 0.0):
             raise StudyBusy(
@@ -80,16 +102,30 @@ def claim_study(study: optuna.Study, me: dict[str, Any]) -> None:
                 f"heartbeat {time.time() - (beat or 0.0):.0f} s ago); wait for it to finish (or cancel "
                 f"its job), or tune a study of its own (search.reuse: false in the recipe)"
             )
-    beat_study(study, me)
-    now = storage.get_study_system_attrs(sid).get(keys.STUDY_DRIVER) or {}
-    if (now.get("owner") or {}).get("id") != me["id"]:
-        raise StudyBusy(
-            f"study {study.study_name} was claimed by another driver ({_who(now['owner'])}) just now"
-        )
+    _write_beat(study, me)
+    now = _holder(study)
+    if now.get("owner", {}).get("id") != me["id"]:
+        who = f" ({_who(now['owner'])})" if now else ""  # {}: it has freed the study again since
+        raise StudyBusy(f"study {study.study_name} was claimed by another driver{who} just now")
 
 
 def beat_study(study: optuna.Study, me: dict[str, Any]) -> None:
-    """The study driver's heartbeat (`claim_study`)."""
+    """The study driver's heartbeat (`claim_study`), or StudyBusy once the study is another's.
+
+    A driver silent for STALE_AFTER_S (a Ray cluster or a database that stopped answering, a
+    suspended process) counts as dead, and the next driver takes the study over. Its heartbeat
+    must not take the study back: both would drive it, as if the lease had never been."""
+    held = _holder(study)
+    if held and held["owner"].get("id") != me["id"]:
+        raise StudyBusy(
+            f"study {study.study_name} was taken over by another driver ({_who(held['owner'])}) "
+            f"after this one's heartbeat went stale (none for {STALE_AFTER_S:.0f} s); this driver "
+            f"stops and leaves the study to it (its running trials go back to the queue)"
+        )
+    _write_beat(study, me)
+
+
+def _write_beat(study: optuna.Study, me: dict[str, Any]) -> None:
     study._storage.set_study_system_attr(
         study._study_id, keys.STUDY_DRIVER, {"owner": me, "heartbeat": time.time()}
     )
@@ -97,10 +133,8 @@ def beat_study(study: optuna.Study, me: dict[str, Any]) -> None:
 
 def release_study(study: optuna.Study, me: dict[str, Any]) -> None:
     """Free the study for the next driver, if `me` still holds it."""
-    storage, sid = study._storage, study._study_id
-    held = storage.get_study_system_attrs(sid).get(keys.STUDY_DRIVER) or {}
-    if (held.get("owner") or {}).get("id") == me["id"]:
-        storage.set_study_system_attr(sid, keys.STUDY_DRIVER, None)
+    if _holder(study).get("owner", {}).get("id") == me["id"]:
+        study._storage.set_study_system_attr(study._study_id, keys.STUDY_DRIVER, None)
 
 
 def queued_params(t: FrozenTrial) -> dict[str, Any]:
@@ -108,6 +142,19 @@ def queued_params(t: FrozenTrial) -> dict[str, Any]:
     fp32 reference, a retry) is in its fixed params from the moment `study.ask` starts it, its
     params only once the sampler has run (a model sampler refits first: a second or more)."""
     return t.system_attrs.get(keys.FIXED_PARAMS) or t.params
+
+
+def queued_as(study: optuna.Study, role: str, params: dict[str, Any]) -> bool:
+    """Whether a trial of `role` stands for `params` in the study (queued, running or finished).
+
+    The baseline (and the fp32 reference) need a trial of their own, even where a trial of another
+    role (last night's best, one a sampler drew beside them) has the same config and Optuna's
+    `skip_if_exists` would queue none: the ranking finds the baseline by its role, and a baseline
+    that is a duplicate names the trial whose run it reuses (`keys.DUPLICATE_OF`)."""
+    return any(
+        t.user_attrs.get(keys.ROLE) == role and queued_params(t) == params
+        for t in study.get_trials(deepcopy=False)
+    )
 
 
 def recover_dead_trials(study: optuna.Study, trials: list[FrozenTrial], me: dict[str, Any]) -> int:

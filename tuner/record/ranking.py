@@ -289,7 +289,7 @@ def rank_trials(
         elif entry.constraint_ok:
             eligible.append(_with(entry, **extra))
     eligible.sort(key=lambda e: (-e.tokens_per_s, e.trial))
-    base = next((t for t in complete if t.role == keys.BASELINE), None)
+    base = _baseline(trials, complete)
     return Ranking(
         ranked=tuple(eligible),
         flagged=tuple(flagged),
@@ -300,6 +300,19 @@ def rank_trials(
         counts=counts,
         run_noise=run_sd,
     )
+
+
+def _baseline(trials: list[TrialRecord], complete: list[TrialRecord]) -> TrialRecord | None:
+    """The first baseline trial that measured; where that baseline was a duplicate (another trial
+    had run its very program, `keys.DUPLICATE_OF`), the trial whose measurement it reuses."""
+    measured = {t.number: t for t in complete}
+    for t in sorted(trials, key=lambda t: t.number):
+        if t.role != keys.BASELINE:
+            continue
+        found = measured.get(t.number) or measured.get(t.attrs.get(keys.DUPLICATE_OF))
+        if found is not None:
+            return found
+    return None
 
 
 def _with(entry: Ranked, **changes: Any) -> Ranked:

@@ -150,7 +150,7 @@ class Driver:
         }.items():
             self.study.set_user_attr(key, value)
         base = baseline_config(self.recipe, self.device, self.space)
-        self.enqueue(base, keys.BASELINE)
+        self.enqueue(base, keys.BASELINE, own=True)  # own trial: a nightly's previous best may be it
         reference = fp32_reference(base, self.recipe, self.device, self.space)
         if reference is not None:
             self.enqueue(reference, keys.FP32_REFERENCE)
@@ -159,12 +159,15 @@ class Driver:
             self.enqueue(config, keys.WARM_START)
         self.study.set_user_attr(keys.RECIPE, self.recipe.to_dict())
 
-    def enqueue(self, config: Config, role: str) -> bool:
+    def enqueue(self, config: Config, role: str, own: bool = False) -> bool:
+        """Queue `config` unless a trial of it exists; with `own`, unless one under `role` does."""
         if not self.space.contains(config, self.recipe.hardware.devices):
             return False
         if verdict(config, self.recipe, self.device).reason is not None:
             return False
-        self.study.enqueue_trial(trial_params(config), user_attrs={keys.ROLE: role}, skip_if_exists=True)
+        params, mine = trial_params(config), {keys.ROLE: role}
+        if not (own and resume.queued_as(self.study, role, params)):
+            self.study.enqueue_trial(params, user_attrs=mine, skip_if_exists=not own)
         return True
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -422,7 +425,7 @@ class Driver:
             return
         smaller = [m for m in self.space.domains["micro_batch_size"] or () if m < config.micro_batch_size]
         if smaller:
-            self.enqueue(Config(**{**config.to_dict(), "micro_batch_size": max(smaller)}), role)
+            self.enqueue(Config(**{**config.to_dict(), "micro_batch_size": max(smaller)}), role, own=True)
 
     def cancel_pending(self) -> None:
         """Stop running trials; their configs go back in the queue for the next run.
