@@ -485,6 +485,45 @@ def test_configs_that_run_the_same_program_are_measured_and_planned_once(tmp_pat
     assert all(r.measured_tokens_per_s for r in plan.rows)  # each row's run was measured
 
 
+def test_the_plan_against_a_study_finds_each_run_the_study_measured_as_a_twin(tmp_path, priors):
+    """A plan row stands for every config that runs the same program (`run_key`: at pp=2 on four
+    layers, recompute_layers 0.75 and 1.0 both recompute a stage's two blocks), and the study
+    measures one of them. The plan against the study looked its results up by the row's own
+    config: a run the study had measured as the twin showed as never tried, and the study's best
+    was placed counting the twins that the rows leave out."""
+    from tuner.db import session_scope
+    from tuner.perf.study_plan import study_plan
+    from tuner.record.reader import read_study
+
+    doc = tiny()
+    doc["search"]["overrides"] = {**OVERRIDES, "micro_batch_size": [2], "amp": ["O0"], "attention": ["math"],
+                                  "dp": [1], "tp": [1], "pp": [2], "recompute": ["selective", "full"],
+                                  "recompute_layers": [0.25, 0.5, 0.75, 1.0]}  # fmt: skip
+    recipe = recipe_from_dict(doc)
+    url = f"sqlite:///{tmp_path}/t.db"
+    # The baseline (selective, 1.0) and three twins of the configs a plan lists: full at 0.75, not
+    # the plainer 1.0, and 0.5 of each mode.
+    twins = [Config(micro_batch_size=2, pp=2, attention="math", recompute=mode, recompute_layers=share)
+             for mode, share in (("full", 0.75), ("full", 0.5), ("selective", 0.5))]  # fmt: skip
+    run_study(recipe, storage_url=url, executor=SyntheticExecutor(recipe), trials=4, sampler="random", seed=0,
+              remeasure_top=0, workdir=tmp_path, progress=lambda e: None, enqueue=twins)  # fmt: skip
+    with session_scope(url) as s:
+        study = read_study(s, optuna.get_all_study_names(url)[0])
+    ran = {run_key(t.config(), recipe): t.number for t in study.trials if t.completed}
+    assert len(ran) == 4
+    plan = study_plan(study.recipe, study.fingerprint, study.trials, study.ranking(), top=8)
+    assert plan.available, plan.reason
+    shown = [run_key(Config.from_params(r.config), recipe) for r in plan.rows]
+    assert sorted(shown) == sorted(ran)
+    assert {"recompute": "full", "recompute_layers": 1.0}.items() <= next(
+        r.config for r in plan.rows if r.config["recompute"] == "full" and r.config["recompute_layers"] > 0.5
+    ).items()  # a row that is not the config the study ran
+    assert [r.study and r.study.trial for r in plan.rows] == [ran[k] for k in shown]
+    best = plan.study_best
+    assert shown[best["plan_rank"] - 1] == run_key(study.find(best["trial"]).config(), recipe)
+    assert best["predicted_tokens_per_s"] == plan.rows[best["plan_rank"] - 1].tokens_per_s
+
+
 def test_a_plan_leaves_out_what_ran_out_of_memory_as_the_study_does(tmp_path, priors):
     """The plan judged feasibility without the study's OOM floor: a config that had run out of
     memory on this machine was ranked (P(fit) 0.63), which `tuner tune` would have pruned."""

@@ -81,16 +81,23 @@ class Plan:
 @dataclass(frozen=True)
 class PlanOrder:
     """Every config a plan ranked, best first: where a given config landed (a plan lists only
-    its top rows)."""
+    its top rows, and each run once: configs that run the same program share a `run_key`)."""
 
     pool: list[Config]
     order: np.ndarray  # indices into `pool`, best first
     predicted: Predicted | None  # None when nothing was feasible
+    recipe: Recipe  # the recipe planned for, whose model decides which configs run the same program
 
-    def rank_of(self, config: Config) -> int | None:
-        """The config's place in the plan (1: first), None when it was not a ranked candidate."""
-        want = config.normalized()  # normalized configs are equal exactly when their keys are
-        return next((rank for rank, i in enumerate(self.order, 1) if self.pool[i].normalized() == want), None)
+    def place(self, config: Config) -> tuple[int, int] | None:
+        """(the config's place in the plan, 1 first, counting each run once as the rows do; the
+        index in `pool` of the config its row shows), None when it was not a ranked candidate."""
+        want, seen = run_key(config, self.recipe), set()
+        for i in self.order:
+            key = run_key(self.pool[i], self.recipe)
+            if key == want:
+                return len(seen) + 1, int(i)
+            seen.add(key)
+        return None
 
 
 def _for_devices(recipe: Recipe, devices: int, node: int) -> Recipe:
@@ -279,7 +286,7 @@ def _stored(url: str, fp: dict, recipe: Recipe) -> list[Observation]:
 
 def _order(predictor: Predictor, recipe: Recipe, pool: list[Config], cached) -> PlanOrder:
     if not pool:
-        return PlanOrder(pool, np.zeros(0, dtype=int), None)
+        return PlanOrder(pool, np.zeros(0, dtype=int), None, recipe)
     p = predictor.predict(recipe, pool, cached)
     # Rank by what a run is expected to deliver: a config that may not fit counts for less.
     # Among equals (within 1%: knobs the model has no evidence on) the plainer config comes first,
@@ -288,7 +295,7 @@ def _order(predictor: Predictor, recipe: Recipe, pool: list[Config], cached) -> 
     plain = np.array([sum(1 for k, v in c.active_params().items() if v != getattr(default, k)) for c in pool])
     expected = p.tokens_per_s * np.minimum(1.0, p.p_fit / 0.5)
     value = np.round(np.log(expected) / 0.01)
-    return PlanOrder(pool, np.lexsort((-expected, plain, -value)), p)
+    return PlanOrder(pool, np.lexsort((-expected, plain, -value)), p, recipe)
 
 
 def _rows(order: PlanOrder, same: list[Observation], top: int, recipe: Recipe) -> list[PlanRow]:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tuner.config import Config, short_config
+from tuner.config import Config, run_key, short_config
 from tuner.device_table import CATALOG
 from tuner.devices import (
     DeviceInfo,
@@ -174,17 +174,18 @@ def _weight(r: StudyResult) -> int:
 
 
 def _results(
-    trials: Sequence[TrialRecord], ranking: Ranking, wanted: Sequence[Config]
-) -> dict[Config, StudyResult]:
-    """Normalized config of `wanted` -> what the study did with it: a ranked measurement before
-    any other, a measurement before a failure, else the latest outcome."""
-    want = {c.normalized() for c in wanted}
+    trials: Sequence[TrialRecord], ranking: Ranking, wanted: Sequence[Config], recipe: Recipe
+) -> dict[str, StudyResult]:
+    """`run_key` of each config of `wanted` -> what the study did with that run (a plan row
+    stands for every config that runs the same program, and the study measured one of them): a
+    ranked measurement before any other, a measurement before a failure, else the latest outcome."""
+    want = {run_key(c, recipe) for c in wanted}
     # Rebuilding every trial's config costs 0.2 ms each (2 s at 10,000 trials): a look at the
     # batch, split and AMP level first leaves only the few trials that could be one of `wanted`.
-    quick = {(c.micro_batch_size, c.dp, c.tp, c.pp, c.amp) for c in want}
+    quick = {(c.micro_batch_size, c.dp, c.tp, c.pp, c.amp) for c in wanted}
     place = {r.trial: i for i, r in enumerate(ranking.ranked, 1)}
     flags = {r.trial: r for r in ranking.flagged}
-    out: dict[Config, StudyResult] = {}
+    out: dict[str, StudyResult] = {}
     for t in trials:
         p = t.params
         glance = tuple(p.get(k) for k in ("micro_batch_size", "dp", "tp", "pp", "amp"))
@@ -195,12 +196,12 @@ def _results(
         ):
             continue
         config = t.config()
-        config = config.normalized() if config is not None else None
-        if config not in want:
+        key = run_key(config, recipe) if config is not None else None
+        if key not in want:
             continue
-        result, held = _result(t, ranking, place, flags), out.get(config)
+        result, held = _result(t, ranking, place, flags), out.get(key)
         if held is None or _weight(result) >= _weight(held):
-            out[config] = result
+            out[key] = result
     return out
 
 
@@ -240,7 +241,7 @@ def study_plan(
         return unavailable(f"cannot plan this study's recipe: {err}")
     winner = _winner(trials, ranking)
     configs = [Config.from_params(r.config) for r in plan.rows]
-    results = _results(trials, ranking, configs)
+    results = _results(trials, ranking, configs, recipe)
     rows = [
         StudyPlanRow(
             r.rank,
@@ -249,7 +250,7 @@ def study_plan(
             r.tokens_per_s,
             r.tokens_per_s_interval,
             r.p_fit,
-            results.get(c.normalized()),
+            results.get(run_key(c, recipe)),
         )
         for r, c in zip(plan.rows, configs, strict=True)
     ]
@@ -280,10 +281,11 @@ def _best(winner: TrialRecord | None, ranking: Ranking, order: PlanOrder) -> dic
     config = winner.config() if winner else None
     if best is None or config is None:
         return None
-    rank = order.rank_of(config)
+    placed = order.place(config)  # its run's place, as the plan's rows count them
+    rank = placed[0] if placed is not None else None
     predicted = None
-    if rank is not None and order.predicted is not None:
-        predicted = round(float(order.predicted.tokens_per_s[order.order[rank - 1]]), 1)
+    if placed is not None and order.predicted is not None:
+        predicted = round(float(order.predicted.tokens_per_s[placed[1]]), 1)
     return {
         "trial": best.trial,
         "tokens_per_s": best.tokens_per_s,
