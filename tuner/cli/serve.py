@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import secrets
@@ -117,6 +118,27 @@ def _settings_or_exit(**changes: object):
     return settings
 
 
+def _bound_socket_or_exit(host: str, port: int) -> socket.socket:
+    """The API's listening address, bound before any worker or Ray head starts: a port in use (or
+    a host that is not this machine's) was uvicorn's own log line and exit code 3, after workers
+    had started claiming jobs. Uvicorn serves on this socket, so nothing can take it meanwhile."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            fail(
+                f"--port {port}: {host}:{port} is already in use; stop what listens there or pick another --port"
+            )
+        fail(
+            f"--host {host}: cannot listen there ({err.strerror or err}); give an address of this machine, e.g. --host 0.0.0.0"
+        )
+    return sock
+
+
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0 for all)."),
     port: int = typer.Option(8000, "--port", min=1, max=65535),
@@ -133,6 +155,7 @@ def serve(
 
     executor_name_or_exit(executor)
     settings = _settings_or_exit(executor=executor)
+    sock = _bound_socket_or_exit(host, port)
     try:
         prepare_database(settings.database_url)  # once here, so the workers do not race to create tables
     except DatabaseError as err:
@@ -152,7 +175,13 @@ def serve(
         for _ in range(workers)
     ]
     try:
-        uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+        server = uvicorn.Server(uvicorn.Config(create_app(settings), host=host, port=port, log_level="info"))
+        # Given its socket, uvicorn does not say where it listens: say it as it would.
+        shown = f"[{host}]" if ":" in host else host
+        logging.getLogger("uvicorn.error").info(
+            f"Uvicorn running on http://{shown}:{port} (Press CTRL+C to quit)"
+        )
+        server.run(sockets=[sock])
     finally:
         # Workers first (they hand their jobs back to the queue), then the Ray head they use.
         _stop(children)
