@@ -309,7 +309,7 @@ def _print_result(result, spec, config) -> None:
     style = "green" if result.status == OK else "red"
     table = Table(title=f"trial: [{style}]{result.status}[/]", show_header=False, title_justify="left")
     table.add_column("key", style="bold")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")  # the log's path is copied whole, never cut short
     for key, value in result.public().items():
         if key == "error" and value is None:
             continue
