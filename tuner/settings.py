@@ -9,6 +9,7 @@ trial's own directory, a worker may be started from anywhere, so a relative `bui
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,6 +46,17 @@ def absolute_database_url(url: str, cwd: str | Path | None = None) -> str:
         return url
     absolute = Path(cwd or os.getcwd(), path).absolute()
     return parsed.set(database=str(absolute)).render_as_string(hide_password=False)
+
+
+def shown_url(url: str) -> str:
+    """`url` as a message or an output may show it: its password replaced by `***` (a cron mails
+    its log, and TUNER_DATABASE_URL usually carries one). One rule for every command."""
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except sqlalchemy.exc.ArgumentError:  # not a URL SQLAlchemy reads: hide what looks like one
+        return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+    # Rendering escapes the path (`:memory:` becomes `%3Amemory%3A`): only a password's URL is.
+    return url if parsed.password is None else parsed.render_as_string(hide_password=True)
 
 
 def absolute_path(path: str | Path, cwd: str | Path | None = None) -> Path:

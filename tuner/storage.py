@@ -10,7 +10,7 @@ from typing import Any
 import optuna
 import sqlalchemy
 
-from tuner.settings import absolute_database_url, database_url
+from tuner.settings import absolute_database_url, database_url, shown_url
 
 _SQLITE_BUSY_TIMEOUT_S = 60
 
@@ -31,7 +31,7 @@ def sqlite_path(url: str) -> str | None:
     return path if path and path != ":memory:" else None
 
 
-def _enable_wal(path: str) -> None:
+def _enable_wal(path: str, source: str = "--storage") -> None:
     # WAL lets readers (dashboard, `tuner show`, the REST service) run while a driver writes.
     # It is a property of the file, so set it once before the engine opens the database.
     try:
@@ -42,8 +42,8 @@ def _enable_wal(path: str) -> None:
             con.close()
     except sqlite3.Error as err:  # a folder that does not exist, a file that is not a database
         raise ValueError(
-            f"--storage: cannot open the SQLite database {path!r}: {err}; check that its folder exists "
-            "and is writable, or pass another --storage (or TUNER_DATABASE_URL)"
+            f"{source}: cannot open the SQLite database {path!r}: {err}; check that its folder exists "
+            "and is writable, or give another database (--storage URL or TUNER_DATABASE_URL)"
         ) from None
 
 
@@ -70,7 +70,7 @@ def refuse_another_programs(
     if tables and not tables & set(OWN_TABLES):
         shown = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
         raise ValueError(
-            f"{name}: {url!r} holds another program's tables ({shown}) and none of the tuner's; "
+            f"{name}: {shown_url(url)!r} holds another program's tables ({shown}) and none of the tuner's; "
             f"give the tuner a database of its own ({other})"
         )
 
@@ -80,38 +80,42 @@ def _on_sqlite_connect(dbapi_con: Any, _record: Any) -> None:
     dbapi_con.execute("PRAGMA synchronous = NORMAL")
 
 
-def get_storage(url: str | None = None) -> optuna.storages.RDBStorage:
+def get_storage(url: str | None = None, source: str = "--storage") -> optuna.storages.RDBStorage:
     """The process-wide RDBStorage for `url` (default: `default_storage_url()`).
 
-    One object per URL per process: each RDBStorage owns an engine and a connection pool.
+    One object per URL per process: each RDBStorage owns an engine and a connection pool. A URL
+    that cannot be opened is a ValueError naming `source`, where the URL came from (the option, or
+    TUNER_DATABASE_URL), with the URL's password hidden.
     """
     url = absolute_database_url(url or default_storage_url())
     if url.startswith("sqlite") and sqlite_path(url) is None:
         raise ValueError(
-            f"--storage: {url!r} is an in-memory database, gone with its connection (and every "
+            f"{source}: {shown_url(url)!r} is an in-memory database, gone with its connection (and every "
             "connection gets its own); give a file, e.g. sqlite:///tuner.db"
         )
     with _lock:
         storage = _storages.get(url)
         if storage is not None:
             return storage
-        refuse_another_programs(url)  # before anything changes in it (WAL mode is the file's)
+        refuse_another_programs(url, source)  # before anything changes in it (WAL mode is the file's)
         if url.startswith("sqlite"):
             path = sqlite_path(url)
             if path:
-                _enable_wal(path)
+                _enable_wal(path, source)
             engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": _SQLITE_BUSY_TIMEOUT_S}}
         else:
             engine_kwargs = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 5}
         try:
             storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
         except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.NoSuchModuleError) as err:
-            raise ValueError(f"--storage: {url!r} is not a database URL SQLAlchemy knows: {err}") from None
+            raise ValueError(
+                f"{source}: {shown_url(url)!r} is not a database URL SQLAlchemy knows: {err}"
+            ) from None
         except sqlalchemy.exc.OperationalError as err:
-            raise ValueError(f"--storage: cannot connect to {url!r}: {err.orig}") from None
+            raise ValueError(f"{source}: cannot connect to {shown_url(url)!r}: {err.orig}") from None
         except ImportError as err:  # a dialect whose driver is not installed (mysql://, oracle://)
             raise ValueError(
-                f"--storage: {url!r} needs a database driver that is not installed ({err}); use "
+                f"{source}: {shown_url(url)!r} needs a database driver that is not installed ({err}); use "
                 "sqlite:///PATH or postgresql+psycopg://USER@HOST/DB, or install the driver"
             ) from None
         if url.startswith("sqlite"):

@@ -85,14 +85,25 @@ def storage_or_exit(url: str | None, create: bool = True) -> str:
     from tuner.settings import absolute_database_url, database_url
     from tuner.storage import get_storage, not_made_yet
 
+    source = "--storage" if url else database_source()
     url = absolute_database_url(url) if url else database_url()
     if not create and not_made_yet(url):
         return url
     try:
-        get_storage(url)
+        get_storage(url, source)
     except ValueError as err:
         fail(str(err))
     return url
+
+
+def database_source() -> str:
+    """Where the database URL came from when no --storage was given, for an error to name: a
+    user who never typed --storage fixes the variable (or the default's folder)."""
+    import os
+
+    if (os.environ.get("TUNER_DATABASE_URL") or "").strip():
+        return "TUNER_DATABASE_URL"
+    return "TUNER_DATABASE_URL (default sqlite:///tuner.db)"
 
 
 def absolute(path: Path | None) -> Path | None:

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import typer
 
-from tuner.cli.common import absolute, err_console, executor_name_or_exit, fail, writable_dir_or_exit
+from tuner.cli.common import (
+    absolute,
+    err_console,
+    executor_name_or_exit,
+    fail,
+    storage_or_exit,
+    writable_dir_or_exit,
+)
 
 EPILOG = (
     "Exit codes: 0 all recipes fine; 1 a recipe regressed by more than --fail-on-regression, or failed; "
@@ -133,6 +140,7 @@ def nightly(
     if api:
         _check_api_url(api)
     executor_name_or_exit(executor)
+    _report_apart_or_exit(report, recipes)
     writable_dir_or_exit(report, "--report")  # before the night's tuning, not after it
     if storage is not None:
         from tuner.settings import absolute_database_url
@@ -143,11 +151,14 @@ def nightly(
         tonight = nl.parse_night(night)
         if daily_at is not None:
             nl.seconds_until(daily_at, dt.datetime.now())
-        found = nl.find_recipes(recipes)
+        found = nl.find_recipes(recipes, _client_hint(api))
     except nl.NightlyError as err:
         fail(str(err))
 
     def one_pass(for_night: dt.date) -> int:
+        # The database answers before the first recipe tunes; a fault names --storage or
+        # TUNER_DATABASE_URL, whichever gave the URL, as `tuner tune` does.
+        storage_or_exit(storage)
         try:
             _ensure_schema(storage)
             return _run_pass(
@@ -167,7 +178,7 @@ def nightly(
         err_console.print(f"next nightly pass at {daily_at} (in {hours} h {minutes} min)")
         time.sleep(max(0.0, wait))
         try:
-            found = nl.find_recipes(recipes)  # recipes may be edited between nights
+            found = nl.find_recipes(recipes, _client_hint(api))  # recipes may be edited between nights
             # The night is the one scheduled, not the date on waking: a sleep that ends a second
             # early before midnight, or an hour off on a daylight-saving night, must neither skip
             # a night nor run one twice.
@@ -178,6 +189,22 @@ def nightly(
         except typer.Exit as ex:
             code = ex.exit_code
         err_console.print(f"nightly pass finished with exit code {code}")
+
+
+def _client_hint(api: str | None) -> str | None:
+    """With --api the service checks each recipe as it checks any client's (a search space by name
+    only: a file here is not one there); checked before the first recipe, not as a failed night."""
+    return f"; GET {api.rstrip('/')}/v1/search-spaces lists the service's spaces" if api else None
+
+
+def _report_apart_or_exit(report: Path, recipes: Path) -> None:
+    """--report must not be the recipe folder: the night's nightly-<date>.json would be read as a
+    recipe by the next night, which then stopped (exit 2) before tuning anything, every night."""
+    if recipes.is_dir() and report.resolve() == recipes.resolve():
+        fail(
+            f"--report {report}: is the recipe folder, and the next night would read its "
+            "nightly-<date>.json as a recipe; give another folder, e.g. --report nightly-reports"
+        )
 
 
 def _ensure_schema(storage: str | None) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from tuner.recipe import MAX_TRIALS, SAMPLERS
+from tuner.settings import shown_url
 
 if TYPE_CHECKING:
     from tuner.summary import StudySummary
@@ -198,7 +199,10 @@ def show(
         with session_scope(url) as session:
             record = read_study(session, study)
     if record is None:
-        fail(f"no study {study!r} in {url}; run `tuner tune {recipe_path}` first (or pass --storage/--study)")
+        fail(
+            f"no study {study!r} in {shown_url(url)}; run `tuner tune {recipe_path}` first "
+            "(or pass --storage/--study)"
+        )
     if given and not _same_recipe(record.recipe, recipe):
         fail(
             f"--study {study!r} measured another recipe than {recipe_path} (its model, training, hardware "
@@ -266,12 +270,13 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 def _report(summary: StudySummary, as_json: bool, top: int) -> None:
     if as_json:
-        typer.echo(json.dumps(summary.to_dict(), indent=1, default=str))
+        shown = {**summary.to_dict(), "storage_url": shown_url(summary.storage_url)}
+        typer.echo(json.dumps(shown, indent=1, default=str))
         return
     from rich.console import Console
 
     out = Console()
-    out.print(f"[bold]study[/] {summary.study_name}  [dim]({summary.storage_url})[/]")
+    out.print(f"[bold]study[/] {summary.study_name}  [dim]({shown_url(summary.storage_url)})[/]")
     counts = ", ".join(f"{n} {k}" for k, n in sorted(summary.counts.items()))
     out.print(f"trials: {summary.n_trials} ({counts or 'none'})")
     if summary.best is None:

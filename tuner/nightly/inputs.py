@@ -57,8 +57,10 @@ def seconds_until(hhmm: str, now: dt.datetime) -> float:
     return next_start(hhmm, now).timestamp() - now.timestamp()
 
 
-def find_recipes(path: Path) -> list[tuple[Path, Recipe]]:
-    """Every *.yaml/*.yml/*.json recipe in `path` (or `path` itself), all validated before any runs."""
+def find_recipes(path: Path, client_hint: str | None = None) -> list[tuple[Path, Recipe]]:
+    """Every *.yaml/*.yml/*.json recipe in `path` (or `path` itself), all validated before any runs.
+    `client_hint`: the recipes go to the REST service (--api), which takes a search space by name
+    only; its rule applies here (`recipe_space_problems`), not this machine's files."""
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml", ".json") and p.is_file())
         if not files:
@@ -69,6 +71,10 @@ def find_recipes(path: Path) -> list[tuple[Path, Recipe]]:
         raise NightlyError(f"{path}: no such folder or file; pass the folder of nightly recipes")
     problems, found, seen = [], [], {}
     for f in files:
+        if re.fullmatch(r"nightly-\d{4}-\d{2}-\d{2}\.json", f.name):
+            # What a night with --report pointed here wrote: named as such, not as a broken recipe.
+            problems.append(f"{f}: is a nightly report (--report), not a recipe; move it out of this folder")
+            continue
         try:
             recipe = load_recipe(f)
         except RecipeError as err:
@@ -82,7 +88,8 @@ def find_recipes(path: Path) -> list[tuple[Path, Recipe]]:
             continue
         # What the REST service checks on submit: a bad space or override fails the run now,
         # not after the recipes before it tuned.
-        problems += [f"{f}: {field}: {why}" for field, why in recipe_space_problems(recipe)]
+        space_problems = recipe_space_problems(recipe, client_hint=client_hint)
+        problems += [f"{f}: {field}: {why}" for field, why in space_problems]
         seen[recipe.name] = f
         found.append((f, recipe))
     if problems:
