@@ -92,6 +92,8 @@ def test_a_study_report_hides_the_password(capsys):
     _report(summary, as_json=True, top=5)
     out = capsys.readouterr().out
     assert "postgres:***@" in out and "s3cret-pw" not in out, out
+    # What a job stores in its row (`jobs.summary`) is the same dict.
+    assert "s3cret-pw" not in str(summary.to_dict()) and "postgres:***@" in summary.to_dict()["storage_url"]
 
 
 def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

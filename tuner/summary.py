@@ -10,6 +10,7 @@ from typing import Any
 from tuner.record import keys
 from tuner.record.ranking import LOSS_TOLERANCE, Ranked
 from tuner.record.reader import StudyRecord, read_study
+from tuner.settings import shown_url
 from tuner.storage import default_storage_url
 
 __all__ = ["LOSS_TOLERANCE", "StudySummary", "summarize", "summarize_record"]
@@ -33,8 +34,9 @@ class StudySummary:
     n_trials: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """The summary as JSON-ready data (CLI --json, the job's stored summary, REST)."""
-        return asdict(self)
+        """The summary as JSON-ready data (CLI --json, the job's stored summary, REST), its
+        database URL's password hidden (`shown_url`: a job row, a cron's mailed log)."""
+        return {**asdict(self), "storage_url": shown_url(self.storage_url)}
 
 
 def _pareto(record: StudyRecord) -> list[int]:

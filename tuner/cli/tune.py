@@ -270,8 +270,7 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 def _report(summary: StudySummary, as_json: bool, top: int) -> None:
     if as_json:
-        shown = {**summary.to_dict(), "storage_url": shown_url(summary.storage_url)}
-        typer.echo(json.dumps(shown, indent=1, default=str))
+        typer.echo(json.dumps(summary.to_dict(), indent=1, default=str))
         return
     from rich.console import Console
 
