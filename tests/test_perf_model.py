@@ -360,6 +360,36 @@ def test_a_small_space_tried_whole_stops_the_study_instead_of_repeating_configs(
     assert events[-1]["reason"] == "space exhausted"
 
 
+def test_a_space_tried_whole_still_runs_the_trials_waiting_in_its_queue(tmp_path, priors):
+    """The sampler finding nothing left stopped the study at once, though trials waited in its
+    queue: a retry, or the smaller baseline queued after the baseline ran out of memory while a
+    trial beside it was asked for, never ran, and the study had no baseline."""
+    from tuner.study import Budget, Hooks
+    from tuner.study.driver import Driver
+
+    doc = tiny(budget_gb=0.16)
+    doc["search"]["overrides"] = {
+        **OVERRIDES,
+        "micro_batch_size": [2, 4],
+        "recompute": ["none"],
+        "amp": ["O0"],
+    }
+    recipe = recipe_from_dict(doc)
+    url, ex = f"sqlite:///{tmp_path}/t.db", SyntheticExecutor(recipe)
+    run_study(recipe, storage_url=url, executor=ex, trials=40, sampler="model", seed=0, remeasure_top=0,
+              workdir=tmp_path)  # fmt: skip
+    budget = Budget.for_recipe(recipe, trials=40, sampler="model", seed=0, remeasure_top=0)
+    driver = Driver(recipe, url, ex, budget, Hooks(), workdir=tmp_path)
+    driver.open([])
+    driver.study.sampler.exhausted = True  # as `_choose` leaves it: every config tried
+    tried = ex.ran[0]
+    driver.study.enqueue_trial(dict(driver.study.trials[0].params), user_attrs={keys.ROLE: keys.RETRY})
+    assert driver._stop_reason(driver.refresh(), math.inf) is None, tried  # the queued one runs first
+    for t in driver.study.get_trials(states=(TrialState.WAITING,)):
+        driver.study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    assert driver._stop_reason(driver.refresh(), math.inf) == "space exhausted"
+
+
 def test_expected_improvement_far_below_the_best_still_ranks_configs():
     """Far behind the best, EI underflows to 0 for every config; its log keeps their order."""
     from tuner.perf.sampler import expected_improvement, log_expected_improvement

@@ -225,8 +225,6 @@ class Driver:
         if self._grid is None:
             self._grid = list(self.space.configs(self.recipe, self.device))
             random.Random(self.budget.seed).shuffle(self._grid)
-        if any(t.state == TrialState.WAITING for t in trials):
-            return True
         tried = {stored_run_key(k, self.recipe) for t in trials if (k := t.user_attrs.get(keys.CONFIG_KEY))}
         while self._grid:
             config = self._grid.pop()
@@ -242,10 +240,11 @@ class Driver:
             return "timeout"
         if self._stagnant():
             return "patience"
-        if self.budget.sampler == "grid" and not self._next_grid_config(trials):
+        waiting = any(t.state == TrialState.WAITING for t in trials)  # a retry, a smaller baseline
+        if self.budget.sampler == "grid" and not (waiting or self._next_grid_config(trials)):
             return "grid exhausted"
-        if getattr(self.study.sampler, "exhausted", False):  # the model sampler ranked the whole space
-            return "space exhausted"
+        if getattr(self.study.sampler, "exhausted", False) and not waiting:
+            return "space exhausted"  # the model sampler ranked the whole space; nothing queued
         return None
 
     def loop(self) -> str:
