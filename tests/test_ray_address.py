@@ -107,6 +107,59 @@ def test_a_real_gcs_passes_and_readyz_checks_it_as_the_executor_does(gcs_address
     assert status == 503 and "is this the GCS port (6379)?" in detail
 
 
+@pytest.mark.slow
+def test_a_real_gcs_passes_where_the_environment_names_an_http_proxy(gcs_address, monkeypatch):
+    """Ray's own gRPC channels ignore http_proxy (RAY_grpc_enable_http_proxy is off by default), so
+    ray.init joins the cluster; the probe went through the proxy and refused a live GCS as "not the
+    GCS port", so `tuner tune --executor ray` failed and `tuner worker` exited 2 on such a host."""
+    proxy = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for name in ("http_proxy", "https_proxy", "grpc_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, proxy)
+    for name in ("no_proxy", "NO_PROXY", "no_grpc_proxy", "RAY_grpc_enable_http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+    check_cluster(gcs_address, "RAY_ADDRESS")
+
+
+_JOIN = """
+from tuner.executors.ray_address import check_cluster
+from tuner.executors.ray_executor import RayExecutor
+check_cluster({address!r}, "RAY_ADDRESS")  # what /readyz asks, in a process that joins nothing: it answers
+try:
+    RayExecutor(address={address!r})
+except ConnectionError as err:  # what every command reports as a message (exit 2)
+    print("refused:", err)
+    raise SystemExit(2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("driver", ["without token auth", "without a token", "with another token"])
+def test_a_driver_the_cluster_would_refuse_for_its_token_is_told_so_at_once(gcs_address, tmp_path, driver):
+    """This module's runtime asks for Ray's token. A driver with token auth on and no token got
+    Ray's AuthenticationError, which no command catches (a traceback); one without token auth, or
+    with another cluster's token, waited ~20 s for "Failed to connect to Ray cluster"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token
+    if driver != "without token auth":
+        env["RAY_AUTH_MODE"] = "token"
+    if driver == "with another token":
+        env["RAY_AUTH_TOKEN"] = "0123456789abcdef" * 2
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", _JOIN.format(address=gcs_address)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    said = out.stdout + out.stderr[-2000:]
+    assert out.returncode == 2 and "would refuse this process: the cluster " in out.stdout, said
+    assert "RAY_AUTH_TOKEN to the cluster's token" in out.stdout and "Traceback" not in said
+    assert time.monotonic() - start < 15
+
+
 def test_a_worker_whose_cluster_does_not_answer_exits_2_and_leaves_the_queue_alone(sqlite_url, tmp_path):  # noqa: F811
     jobs = _queue(sqlite_url, 3)
     env = {
