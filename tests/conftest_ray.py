@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,9 +156,16 @@ def _stop_cluster(temp_dirs: list[str], port: int) -> None:
 
 
 @contextlib.contextmanager
-def loopback_cluster(tmp_path_factory, env: dict[str, str] | None = None):
+def loopback_cluster(
+    tmp_path_factory,
+    env: dict[str, str] | None = None,
+    ips: tuple[str, str] = ("127.0.0.1", "127.0.0.1"),
+    worker_prefix: tuple[str, ...] = (),
+):
     """Two Ray nodes on loopback, 1 CPU each, a head (resource "nodeA") and a worker ("nodeB"):
-    yields (the head's address, [head's temp dir, worker's temp dir]); `env` adds Ray settings."""
+    yields (the head's address, [head's temp dir, worker's temp dir]); `env` adds Ray settings.
+    `ips`: the head's and the worker's node address; `worker_prefix`: what the worker's `ray start`
+    runs under (`ip netns exec NS`, `two_host_cluster`)."""
     import ray
     from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
@@ -171,15 +179,15 @@ def loopback_cluster(tmp_path_factory, env: dict[str, str] | None = None):
 
     port = free_port()
     temp_dirs = [str(tmp_path_factory.mktemp("ray-head")), str(tmp_path_factory.mktemp("ray-node"))]
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats"]
+    common = ["--num-cpus=1", "--disable-usage-stats"]
     head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false"]
     head += [f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dirs[0]}"]
-    worker = [RAY, "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp_dirs[1]}"]
+    worker = [*worker_prefix, RAY, "start", f"--address={ips[0]}:{port}", f"--temp-dir={temp_dirs[1]}"]
     try:
         # The head first, then the worker node: started together on a loaded machine, the worker
         # gave up before the head's GCS listed the head node. One retry for the worker.
-        for cmd, resource, attempts in ((head, "nodeA", 1), (worker, "nodeB", 2)):
-            cmd += [*common, *_node_ports(), f'--resources={{"{resource}": 1}}']
+        for cmd, resource, attempts, ip in ((head, "nodeA", 1, ips[0]), (worker, "nodeB", 2, ips[1])):
+            cmd += [f"--node-ip-address={ip}", *common, *_node_ports(), f'--resources={{"{resource}": 1}}']
             for _attempt in range(attempts):
                 start = subprocess.run(
                     cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180
@@ -187,8 +195,52 @@ def loopback_cluster(tmp_path_factory, env: dict[str, str] | None = None):
                 if start.returncode == 0:
                     break
             assert start.returncode == 0, f"{' '.join(cmd[:3])} failed:\n{start.stdout.decode()[-3000:]}"
-        yield f"127.0.0.1:{port}", temp_dirs
+        yield f"{ips[0]}:{port}", temp_dirs
     finally:
         if ray.is_initialized():
             ray.shutdown()
         _stop_cluster(temp_dirs, port)
+
+
+def can_make_network_namespaces() -> bool:
+    """Whether this process may make a network namespace (root, iproute2, a kernel that allows it)."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    probe = f"tuner-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return made
+
+
+@contextlib.contextmanager
+def two_host_cluster(tmp_path_factory, env: dict[str, str] | None = None):
+    """Two Ray nodes that are two hosts to the network, what a loopback cluster cannot show: the
+    head on this machine's network stack, the worker in a network namespace of its own, joined to
+    it by a veth pair (10.213.N.1 and .2). They share files and processes; an address that means
+    "this host" (127.0.0.1, which this host's name may resolve to) reaches only the node's own
+    stack. Needs `can_make_network_namespaces()`. Yields `loopback_cluster`'s (address, temp dirs)."""
+    n = os.getpid() % 250 + 1
+    ns, host_if, ns_if = f"tuner-{n}", f"tuner{n}a", f"tuner{n}b"
+    ips = (f"10.213.{n}.1", f"10.213.{n}.2")
+    setup = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+        ["ip", "link", "set", ns_if, "netns", ns],
+        ["ip", "addr", "add", f"{ips[0]}/24", "dev", host_if],
+        ["ip", "link", "set", host_if, "up"],
+        ["ip", "-n", ns, "addr", "add", f"{ips[1]}/24", "dev", ns_if],
+        ["ip", "-n", ns, "link", "set", ns_if, "up"],
+        ["ip", "-n", ns, "link", "set", "lo", "up"],
+    ]
+    teardown = [["ip", "link", "del", host_if], ["ip", "netns", "del", ns]]  # the veth's peer goes too
+    for cmd in teardown:  # what a killed run of this pid's number left
+        subprocess.run(cmd, capture_output=True)
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True)
+        with loopback_cluster(tmp_path_factory, env, ips, ("ip", "netns", "exec", ns)) as cluster:
+            yield cluster
+    finally:
+        for cmd in teardown:
+            subprocess.run(cmd, capture_output=True)

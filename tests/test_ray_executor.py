@@ -209,6 +209,31 @@ def test_a_call_on_devices_that_never_get_free_fails_and_one_no_node_has_fails_a
     assert time.monotonic() - start < 15
 
 
+@pytest.mark.slow
+def test_cancelling_a_queued_trial_kills_nothing_an_earlier_run_recorded_in_its_folder(
+    executor, gpu_held_elsewhere, tmp_path, monkeypatch
+):
+    """`tuner measure --workdir DIR` run again: DIR keeps the earlier run's session file, whose
+    number a new session of this host (a login shell, another trial's launcher) may lead by now.
+    Cancelling the new run while Ray still queued it waited 10 s, then SIGKILLed that session."""
+    from tuner.executors.session import SESSION_FILE, host_identity
+
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        spec = dataclasses.replace(tiny_spec(tmp_path, "again"), family="cuda")
+        Path(spec.workdir).mkdir(parents=True)
+        (Path(spec.workdir) / SESSION_FILE).write_text(f"{bystander.pid} {host_identity()}\n")
+        monkeypatch.setattr(executor, "free_slots", lambda spec: 1)  # the GPU is another job's
+        executor.submit(spec)
+        assert executor.wait(timeout=1.0) == [] and executor.running() == ["again"]  # queued
+        executor.cancel()
+
+        assert bystander.poll() is None and executor.running() == []
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 def test_a_cancel_from_another_thread_while_the_driver_waits_stops_the_trial(executor, tmp_path):
     """The service's heartbeat cancels from its own thread while the study's thread sits in
     `wait`: cancel cleared the running trials that `wait` was iterating and reading."""

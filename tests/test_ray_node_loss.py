@@ -107,3 +107,34 @@ def ray_node_id_of_head() -> str:
     import ray
 
     return next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("nodeA"))
+
+
+def test_a_node_lost_before_its_share_of_a_trial_started_is_blamed_as_soon_as_ray_declares_it(
+    cluster, tmp_path, monkeypatch
+):
+    """Node 0's part runs (its ranks wait at the rendezvous) when the node holding node 1's bundle
+    dies, before node 1's task started there: that task waited forever for its rescheduled bundle,
+    node 0's ranks ran out the trial's timeout, and the trial blamed node 0 for a timeout."""
+    from ray.util.placement_group import placement_group as make
+
+    from tuner.executors import ray_executor
+
+    def pinned(resource: str, per_node: int, nnodes: int):  # node 0 on the head, node 1 on the worker
+        return make(
+            [{resource: float(per_node), n: 0.01} for n in ("nodeA", "nodeB")], strategy="STRICT_SPREAD"
+        )
+
+    monkeypatch.setattr(ray_executor, "placement_group", pinned)
+    ex, node_b = cluster
+    spec = tiny_spec(tmp_path, "half", ranks=2, nodes=2, timeout_s=60)
+    ex.submit(spec)
+    # The driver starts node 1's task once it reads node 0's start, in `wait`: not before the kill.
+    wait_for(lambda: trial_pids(spec), 90, "node 0's ranks")
+    signal_pids(node_b(), signal.SIGKILL)
+    start = time.monotonic()
+    [result] = collect(ex, {"half"}, timeout_s=90)
+
+    assert result.error_kind == "worker_died", result.error
+    assert result.error.startswith("node 1 of 2: node died: Ray lost node that held node 1's devices")
+    assert time.monotonic() - start < 40  # Ray's health checks (~10 s here), not the trial's 60 s
+    wait_for(lambda: not trial_pids(spec) and not ex.running(), 15, "node 0's ranks to be gone")

@@ -7,8 +7,11 @@ stay inside a node whenever tp divides L (a feasibility rule)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import socket
+import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,6 +36,31 @@ def _free_everywhere() -> int:
     with socket.socket(socket.AF_INET) as s:
         s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this host's network interface that holds `ip` (IPv4 or IPv6), or None."""
+    try:
+        packed = socket.inet_pton(socket.AF_INET6 if ":" in ip else socket.AF_INET, ip.strip("[]"))
+    except OSError:
+        return None
+    if len(packed) == 16:  # /proc/net/if_inet6: ADDRESS-IN-HEX INDEX PREFIX SCOPE FLAGS NAME
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/net/if_inet6").read_text().splitlines():
+                fields = line.split()
+                if len(fields) == 6 and fields[0] == packed.hex():
+                    return fields[5]
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):
+                answer = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                if answer[20:24] == packed:
+                    return name
+    return None
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from tuner.executors.ray_gang import (
     never_started,
     placement_group,
     trial_nodes,
+    unplaced_bundles,
     unschedulable,
 )
 from tuner.executors.ray_node import (  # noqa: F401 - CoreLease is part of this module's surface
@@ -116,7 +117,7 @@ class RayExecutor(Executor):
             address = address or os.environ.get("RAY_ADDRESS") or None
             quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
             if address:
-                check_cluster(address, source)
+                check_cluster(address, source, joining=True)
                 ray.init(address=address, **quiet)
             else:
                 # "local", not None: Ray would otherwise join whatever `ray start` last ran on this
@@ -327,7 +328,8 @@ class RayExecutor(Executor):
             if reason:
                 result = self._drop(trial, reason)
             else:
-                result = self._settle(trial) if lost_parts(trial, totals) else None
+                lost = lost_parts(trial, totals, unplaced_bundles(trial))
+                result = self._settle(trial) if lost else None
             if result is not None:
                 del self._running[trial.spec.tag]
                 out.append(result)
@@ -385,8 +387,10 @@ class RayExecutor(Executor):
             # What ran on this machine is gone when cancel returns. The task's own stop should see
             # to it, but in two full test runs on a 2-core Zen 5 one process of the cancelled trial
             # was still alive when the driver heard "cancelled" (never in a test run alone); other
-            # nodes' ranks die with their launcher (its parent-death watch).
-            killed = end_processes_in(t.spec.workdir, CANCEL_GRACE_S)
+            # nodes' ranks die with their launcher (its parent-death watch). A trial Ray never
+            # started ran nothing: a session file in its folder is an earlier run's (a reused
+            # --workdir), whose number may lead somebody else's session now.
+            killed = end_processes_in(t.spec.workdir, CANCEL_GRACE_S) if any(p.where for p in t.parts) else []
             if killed:
                 _log.warning("killed %d process(es) of cancelled trial %r", len(killed), t.spec.tag)
             if t.group is not None:

@@ -142,19 +142,42 @@ def unschedulable(
 QUEUE_FLOOR_S = 30.0
 
 
-def lost_parts(trial: Trial, live: Collection[str]) -> list[Part]:
+def lost_parts(trial: Trial, live: Collection[str], unplaced: Collection[int] = ()) -> list[Part]:
     """Mark and return the parts still running on a node Ray no longer counts as alive (by id in
-    `live`). A frozen or cut-off node's task stream stays silent; without this its peers ran out
-    their timeout and the trial blamed them."""
-    lost = [p for p in trial.parts if p.result is None and p.where and p.where["ray_node_id"] not in live]
-    for p in lost:
-        where = p.where or {}
-        message = (
-            f"node died: Ray lost node {where.get('ray_node_ip')} ({where['ray_node_id'][:12]}) while the "
-            "trial ran there (it crashed, froze or was cut off from the cluster)"
-        )
+    `live`), and those not started whose bundle lost its node (by node rank in `unplaced`). A
+    frozen or cut-off node's task stream stays silent, and a task whose bundle's node died waits
+    for it forever; without this their peers ran out their timeout and the trial blamed them."""
+    lost = []
+    for p in trial.parts:
+        if p.result is not None:
+            continue
+        if p.where and p.where["ray_node_id"] not in live:
+            where = f"{p.where.get('ray_node_ip')} ({p.where['ray_node_id'][:12]}) while the trial ran there"
+        elif not p.where and p.node_rank in unplaced:
+            where = f"that held node {p.node_rank}'s devices before its task started there"
+        else:
+            continue
+        message = f"node died: Ray lost node {where} (it crashed, froze or was cut off from the cluster)"
         p.result, p.lost = error_result(trial.spec, "worker_died", message, p.where), True
+        lost.append(p)
     return lost
+
+
+def unplaced_bundles(trial: Trial) -> set[int]:
+    """Node ranks of a multi-node trial whose task has not started and whose bundle no longer has a
+    node: Ray reschedules a placement group one of whose nodes died (state RESCHEDULING, that
+    bundle's node id empty), which STRICT_SPREAD cannot do without a spare node, and the task waits
+    for it. The trial lost a node either way, and ends like one whose running part did."""
+    waiting = [p.node_rank for p in trial.parts if p.where is None and p.result is None]
+    if trial.group is None or not waiting:
+        return set()
+    from ray.util import placement_group_table
+
+    table = placement_group_table(trial.group)
+    if table.get("state") != "RESCHEDULING":
+        return set()
+    nodes = table.get("bundles_to_node_id") or {}
+    return {rank for rank in waiting if not nodes.get(rank)}
 
 
 def never_started(trial: Trial, totals: dict[str, dict[str, float]], now: float) -> str | None:

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tuner.executors.nodes import free_port
+from tuner.executors.nodes import free_port, interface_of
+from tuner.executors.session import SESSION_FILE
 from tuner.executors.warm import node_socket_path
 from tuner.record.status import ERROR
 from tuner.result import TrialResult, TrialSpec
@@ -117,6 +118,21 @@ def _node_part(spec: TrialSpec, part: dict[str, Any] | None, ip: str, where: dic
     return NodePart(rank, int(part["nnodes"]), addr, port)
 
 
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+def _gloo_on_node_ip(env: dict[str, str] | None, ip: str) -> dict[str, str] | None:
+    """The environment of a multi-node trial's ranks, with gloo bound to the interface of this
+    node's Ray address, which the other nodes reach. Left to itself gloo binds the address this
+    host's name resolves to, on many hosts a loopback one (Debian's /etc/hosts: 127.0.1.1) that no
+    other node reaches: each rank told its peers that address, and they waited for it until the
+    trial's timeout. A GLOO_SOCKET_IFNAME of the user's stands."""
+    if GLOO_IFNAME in (env or {}) or GLOO_IFNAME in os.environ:
+        return env
+    name = interface_of(ip)
+    return {**(env or {}), GLOO_IFNAME: name} if name else env
+
+
 def run_on_node(
     spec_dict: dict[str, Any],
     env: dict[str, str] | None,
@@ -138,6 +154,11 @@ def run_on_node(
     spec = TrialSpec.from_dict(spec_dict)
     where = _where(ray)
     node = _node_part(spec, part, ip=where["ray_node_ip"], where=where)
+    if node is not None:
+        env = _gloo_on_node_ip(env, where["ray_node_ip"])
+    # Before the driver hears of the start, which lets its cancel end what the folder's session file
+    # names: until this launch writes its own, the file is an earlier run's (a reused --workdir).
+    (Path(spec.workdir) / SESSION_FILE).unlink(missing_ok=True)
     yield where  # tells the driver the trial left Ray's queue (see RayExecutor.free_slots)
     local_ranks = world_size(spec) if node is None else node.local_world(world_size(spec))
     helper_name = (helpers or {}).get(where["ray_node_id"])
