@@ -203,3 +203,15 @@ def test_nightly_with_api_checks_a_recipe_as_the_service_will_before_the_first_r
         == f"error: {folder}/a.yaml: search.space: unknown search space; this service has: cpu, cuda, npu"
     )
     assert not (tmp_path / "r").exists()
+
+
+def test_a_nightly_folder_skips_hidden_files_that_only_look_like_recipes(tmp_path):
+    """macOS leaves `._NAME.yaml` resource forks beside a copied folder's files (binary, not YAML):
+    read as recipes, one stopped every night before the first recipe ran."""
+    from tuner.nightly.inputs import find_recipes
+
+    folder = tmp_path / "nightly"
+    folder.mkdir()
+    (folder / "gpt.yaml").write_text(Path(RECIPE).read_text())
+    (folder / "._gpt.yaml").write_bytes(b"\x00\x05\x16\x07Mac OS X        \x00\x02\xff\xfe")
+    assert [f.name for f, _ in find_recipes(folder)] == ["gpt.yaml"]

@@ -58,11 +58,16 @@ def seconds_until(hhmm: str, now: dt.datetime) -> float:
 
 
 def find_recipes(path: Path, client_hint: str | None = None) -> list[tuple[Path, Recipe]]:
-    """Every *.yaml/*.yml/*.json recipe in `path` (or `path` itself), all validated before any runs.
+    """Every *.yaml/*.yml/*.json recipe in `path` (or `path` itself), all validated before any runs;
+    hidden files (macOS's `._NAME.yaml` beside a copied file, an editor's) are not recipes.
     `client_hint`: the recipes go to the REST service (--api), which takes a search space by name
     only; its rule applies here (`recipe_space_problems`), not this machine's files."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml", ".json") and p.is_file())
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.suffix in (".yaml", ".yml", ".json") and p.is_file() and not p.name.startswith(".")
+        )
         if not files:
             raise NightlyError(f"{path}: no recipe files (*.yaml, *.yml, *.json) in this folder")
     elif path.exists():
