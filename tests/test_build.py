@@ -297,3 +297,41 @@ def test_where_nothing_compiles_the_build_still_holds_config_launch_and_profile(
     assert not [f for f in files if f.startswith("kernels/") or f.startswith("compile-cache")]
     assert record.compiled_tokens_per_s is None and record.eager_tokens_per_s > 0 and record.kernels == 0
     assert f"kernels: not produced: {reason}" in record.summary
+
+
+class _NodeDiedError(Exception):
+    """Stands for Ray's (ray.exceptions.NodeDiedError: a RayError, a plain Exception)."""
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("no live Ray node can run this call: no node has 2 CPU slots"),
+        _NodeDiedError("the node running the task died"),
+    ],
+    ids=["no-node", "node-died"],
+)
+def test_a_build_the_cluster_cannot_run_is_a_build_error_not_a_traceback(measured, tmp_path, error):
+    """`tuner build --executor ray` caught BuildError, not what the cluster raises (a RuntimeError
+    when no live node fits, Ray's own errors when one dies): the user got a traceback. The cluster
+    is stood in for (its call fails as RayExecutor's does); the study and plan are real."""
+    import tuner.build as build
+    from tuner.build.base import BuildError
+    from tuner.fingerprint import described_here
+
+    class Cluster:
+        elsewhere = True
+
+        def describe(self, device):
+            return described_here(device)
+
+        def call_on_devices(self, fn, args, family, count):
+            raise error
+
+    with pytest.raises(BuildError, match=f"the build on the cluster failed: {type(error).__name__}: "):
+        build.build_trial(
+            recipe_from_dict(RECIPE),
+            storage_url=measured["url"],
+            store=ArtifactStore(tmp_path),
+            executor=Cluster(),
+        )

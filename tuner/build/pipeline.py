@@ -302,7 +302,15 @@ def _build(plan: _Plan, described, store: ArtifactStore, say, executor: Executor
             if plan.family == "cpu"
             else plan.config.world_size
         )
-        packed, record = executor.call_on_devices(build_elsewhere, (plan,), plan.family, count)
+        try:
+            packed, record = executor.call_on_devices(build_elsewhere, (plan,), plan.family, count)
+        except (BuildError, ValueError, OSError):
+            raise  # the build's own failures, a device not there, a timeout: each says why already
+        except Exception as err:  # noqa: BLE001 - the cluster's: no node for it, a node that died
+            raise BuildError(
+                f"the build on the cluster failed: {type(err).__name__}: {err}; the study is unchanged, "
+                "run the build again once the cluster's nodes are back (`ray status`)"
+            ) from err
         say(3, STEPS, "unpacking what the node built")
         stage = plan.work / "stage"
         with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
