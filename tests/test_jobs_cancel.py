@@ -3,36 +3,22 @@ SQLite and PostgreSQL (a stand-in study, as in tests/test_worker.py)."""
 
 from __future__ import annotations
 
-import pytest
 import yaml
 from fastapi.testclient import TestClient
 from sqlalchemy import select
-from test_db import fresh_pg_database
-from test_worker import RECIPE, _Executor, _study
+from test_worker import RECIPE, _Executor, _study, db_url  # noqa: F401 - a fixture (migrated, both databases)
 
 from api import Settings, create_app
 from api.auth import create_token
 from api.routes import jobs as job_routes
 from tuner.db import Job, JobEvent, session_scope
-from tuner.migrations import upgrade
 from tuner.worker import JobRun, Worker, WorkerSettings, claim_job
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'tuner.db'}"
-        upgrade(url)
-        yield url
-        return
-    url, drop = fresh_pg_database()
-    upgrade(url)
-    yield url
-    drop()
-
-
 def test_a_queued_job_a_worker_claims_while_it_is_cancelled_is_cancelled_as_a_running_one(
-    db_url, tmp_path, monkeypatch
+    db_url,
+    tmp_path,
+    monkeypatch,  # noqa: F811 - the fixture
 ):
     """POST /cancel read the job queued and wrote it `cancelled` over the claim a worker made in
     between: the worker ran its study anyway until its heartbeat found the job gone, and wrote the

@@ -491,15 +491,22 @@ def test_model_sampler_runs_every_config_of_a_small_space_the_plain_one_too(tmp_
     assert Config().key() in ran and ran == {c.key() for c in space_configs(recipe)}
 
 
-def test_configs_that_run_the_same_program_are_measured_and_planned_once(tmp_path, priors):
-    """At pp=2 each stage holds two of the four blocks: recompute_layers 0.25 and 0.5 recompute
-    one of them, 0.75 and 1.0 both. The model sampler measures one of each pair, the study ends
-    "space exhausted" rather than spend device runs on the twins, and a plan lists each run once."""
+def _recompute_twins_recipe():
+    """Four layers at pp=2, selective and full recompute of 0.25-1.0 of a stage's blocks: eight
+    configs, four runs (`run_key`: 0.25 and 0.5 recompute one of a stage's two blocks, 0.75 and
+    1.0 both)."""
     doc = tiny()
     doc["search"]["overrides"] = {**OVERRIDES, "micro_batch_size": [2], "amp": ["O0"], "attention": ["math"],
                                   "dp": [1], "tp": [1], "pp": [2], "recompute": ["selective", "full"],
                                   "recompute_layers": [0.25, 0.5, 0.75, 1.0]}  # fmt: skip
-    recipe = recipe_from_dict(doc)
+    return recipe_from_dict(doc)
+
+
+def test_configs_that_run_the_same_program_are_measured_and_planned_once(tmp_path, priors):
+    """At pp=2 each stage holds two of the four blocks: recompute_layers 0.25 and 0.5 recompute
+    one of them, 0.75 and 1.0 both. The model sampler measures one of each pair, the study ends
+    "space exhausted" rather than spend device runs on the twins, and a plan lists each run once."""
+    recipe = _recompute_twins_recipe()
     url = f"sqlite:///{tmp_path}/t.db"
     events = []
     ex = SyntheticExecutor(recipe)
@@ -525,11 +532,7 @@ def test_the_plan_against_a_study_finds_each_run_the_study_measured_as_a_twin(tm
     from tuner.perf.study_plan import study_plan
     from tuner.record.reader import read_study
 
-    doc = tiny()
-    doc["search"]["overrides"] = {**OVERRIDES, "micro_batch_size": [2], "amp": ["O0"], "attention": ["math"],
-                                  "dp": [1], "tp": [1], "pp": [2], "recompute": ["selective", "full"],
-                                  "recompute_layers": [0.25, 0.5, 0.75, 1.0]}  # fmt: skip
-    recipe = recipe_from_dict(doc)
+    recipe = _recompute_twins_recipe()
     url = f"sqlite:///{tmp_path}/t.db"
     # The baseline (selective, 1.0) and three twins of the configs a plan lists: full at 0.75, not
     # the plainer 1.0, and 0.5 of each mode.
