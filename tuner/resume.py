@@ -53,7 +53,8 @@ def _pids_shared(owner: dict[str, Any]) -> bool:
     namespace where it recorded them."""
     if owner.get("host") != socket.gethostname():
         return False
-    return owner.get("where", host_identity()) == host_identity()
+    here = host_identity()
+    return owner.get("where", here) == here
 
 
 def owner_alive(owner: dict[str, Any] | None, heartbeat: float | None, started: float) -> bool:
